@@ -1,0 +1,66 @@
+from specserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("session_id", "token_ids", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("next_token_id", "num_verified", "server_seconds")
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    next_token_id: int
+    num_verified: int
+    server_seconds: float
+    def __init__(self, next_token_id: _Optional[int] = ..., num_verified: _Optional[int] = ..., server_seconds: _Optional[float] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "num_verified", "draft_token_ids", "draft_distributions", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    num_verified: int
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., num_verified: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("num_accepted", "next_token_id", "num_verified", "batch_size", "server_seconds")
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    num_accepted: int
+    next_token_id: int
+    num_verified: int
+    batch_size: int
+    server_seconds: float
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., num_verified: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_seconds: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
