@@ -1,0 +1,82 @@
+"""A batcher: gathers work items submitted from many threads and processes them together.
+
+Each service runs its model from one worker thread, which keeps per-session caches
+single-threaded and lets concurrent calls from different sessions share a forward pass or a
+kernel call. Items already queued when a batch starts join it; max_wait_s bounds how long a
+lone item waits for company.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Generic, TypeVar
+
+log = logging.getLogger(__name__)
+
+ItemT = TypeVar("ItemT")
+ResultT = TypeVar("ResultT")
+
+# process() returns, per item, either its result or the exception to raise in its caller.
+ProcessFn = Callable[[Sequence[ItemT]], Sequence["ResultT | BaseException"]]
+
+
+class Batcher(Generic[ItemT, ResultT]):
+    def __init__(self, process: ProcessFn, max_batch: int, max_wait_s: float, name: str):
+        self._process = process
+        self._max_batch = max_batch
+        self._max_wait_s = max_wait_s
+        self._queue: queue.Queue[tuple[ItemT, Future] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, item: ItemT) -> ResultT:
+        """Blocks until the item has been processed; raises the item's own exception."""
+        future: Future = Future()
+        self._queue.put((item, future))
+        return future.result()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            batch = self._gather()
+            if batch is None:
+                return
+            self._run_batch(batch)
+
+    def _gather(self) -> list[tuple[ItemT, Future]] | None:
+        first = self._queue.get()
+        if first is None:
+            return None
+        batch = [first]
+        deadline = time.monotonic() + self._max_wait_s
+        while len(batch) < self._max_batch:
+            try:
+                timeout = max(0.0, deadline - time.monotonic())
+                item = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                self._queue.put(None)  # stop after this batch
+                break
+            batch.append(item)
+        return batch
+
+    def _run_batch(self, batch: list[tuple[ItemT, Future]]) -> None:
+        try:
+            results = self._process([item for item, _ in batch])
+        except BaseException as error:  # noqa: BLE001 - a failed batch fails its callers, not the thread
+            log.exception("batch of %d failed", len(batch))
+            results = [error] * len(batch)
+        for (_, future), result in zip(batch, results):
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)

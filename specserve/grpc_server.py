@@ -1,0 +1,145 @@
+"""What both gRPC services share: the error interceptor, health, reflection, serving."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specserve.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted
+
+log = logging.getLogger(__name__)
+
+NUM_VERIFIED_METADATA_KEY = "specserve-num-verified"
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def status_of(error: RequestError) -> grpc.StatusCode:
+    if isinstance(error, InvalidArgument):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, ResourceExhausted):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, FailedPrecondition):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _abort(context: grpc.ServicerContext, error: BaseException, method: str) -> None:
+    if isinstance(error, RequestError):
+        if isinstance(error, FailedPrecondition):
+            context.set_trailing_metadata(((NUM_VERIFIED_METADATA_KEY, str(error.num_verified)),))
+        context.abort(status_of(error), str(error))
+    log.exception("%s failed", method, exc_info=error)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(error).__name__}")
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Maps request errors to their status codes in one place; a bug answers INTERNAL and
+    the service keeps serving the other requests."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _guard_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                _guard_stream(handler.stream_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+def _guard_unary(behavior: Callable, method: str) -> Callable:
+    def guarded(request, context):
+        try:
+            return behavior(request, context)
+        except Exception as error:  # noqa: BLE001 - mapped to a status, never kills the server
+            _abort(context, error, method)
+
+    return guarded
+
+
+def _guard_stream(behavior: Callable, method: str) -> Callable:
+    def guarded(request_iterator, context) -> Iterator:
+        try:
+            yield from behavior(request_iterator, context)
+        except grpc.RpcError:
+            if context.is_active():
+                raise
+            # The client went away mid-stream: nothing to answer, nothing to log.
+        except Exception as error:  # noqa: BLE001
+            _abort(context, error, method)
+
+    return guarded
+
+
+def make_server(max_workers: int) -> grpc.Server:
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        interceptors=[ErrorInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+
+
+def add_health_and_reflection(server: grpc.Server, service_names: list[str]) -> health.HealthServicer:
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return servicer
+
+
+def set_serving(servicer: health.HealthServicer, service_names: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        servicer.set(name, status)
+
+
+def serve_until_signalled(
+    server: grpc.Server, servicer: health.HealthServicer, service_names: list[str], address: str, grace_s: float
+) -> None:
+    """Starts the server, reports SERVING, and on SIGTERM or SIGINT reports NOT_SERVING and
+    stops after letting in-flight calls finish for up to grace_s."""
+    bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise SystemExit(f"could not listen on {address}")
+    server.start()
+    set_serving(servicer, service_names, True)
+    log.info("serving %s on %s", ", ".join(service_names), address)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+    log.info("shutting down (grace %.0f s)", grace_s)
+    set_serving(servicer, service_names, False)
+    server.stop(grace_s).wait()
+
+
+def run_service(
+    service_name: str,
+    register: Callable[[grpc.Server], None],
+    address: str,
+    max_workers: int,
+    grace_s: float,
+) -> None:
+    """Builds the server around one servicer (register adds it), serves until signalled."""
+    server = make_server(max_workers)
+    register(server)
+    servicer = add_health_and_reflection(server, [service_name])
+    serve_until_signalled(server, servicer, [service_name], address, grace_s)

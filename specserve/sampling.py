@@ -1,0 +1,125 @@
+"""Sampling math shared by the draft and the verifier: the target's processed distribution,
+the draft's sparse distribution, and randomness keyed by (seed, position).
+
+Keyed randomness is what makes a seeded request reproducible and batch-independent
+(DESIGN.md, invariant 4): every random number used for sequence position t comes from a
+generator seeded by a hash of (seed, t, stream), never from a shared global stream.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specserve.errors import require
+from specserve.v1 import common_pb2
+
+# Independent random streams per position: the verifier's accept test and token draws must
+# be independent of the draft's own draws at the same position.
+VERIFY_STREAM = 0
+DRAFT_STREAM = 1
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the user asked for; temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be a finite number >= 0")
+        require(math.isfinite(self.top_p) and 0 < self.top_p <= 1, "top_p must lie in (0, 1]")
+        require(self.top_k >= 0, "top_k must be >= 0 (0 keeps every token)")
+        require(0 <= self.seed <= _MASK64, "seed must be an unsigned 64-bit integer")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_proto(cls, message: common_pb2.SamplingParams) -> SamplingParams:
+        # On the wire 0 means unset for top_p (proto3 default), i.e. keep every token.
+        top_p = message.top_p if message.top_p != 0 else 1.0
+        return cls(temperature=message.temperature, top_p=top_p, top_k=message.top_k, seed=message.seed)
+
+    def to_proto(self) -> common_pb2.SamplingParams:
+        return common_pb2.SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed
+        )
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution sampling draws from: temperature, then top-k, then top-p, as in
+    transformers' generate(). logits [n, vocab] -> probs [n, vocab] float32."""
+    scores = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < scores.shape[-1]:
+        kth_best = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth_best, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1)  # ascending
+        cumulative = sorted_scores.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative <= 1 - params.top_p
+        drop_sorted[..., -1] = False  # always keep the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(-1)
+
+
+def truncate_to_support(probs: torch.Tensor, support_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's sparse distribution: probs [vocab] restricted to its support_size most
+    likely tokens (fewer if fewer have mass) and renormalised -> (ids [s] int64, probs [s] float32)."""
+    top = torch.topk(probs, min(support_size, probs.shape[-1]))
+    keep = top.values > 0
+    ids, kept = top.indices[keep], top.values[keep]
+    return ids, kept / kept.sum()
+
+
+def mix_seed(seed: int, position: int, stream: int) -> int:
+    """splitmix64 over (seed, position, stream): decorrelated generator seeds per position."""
+    value = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (value ^ (value >> 31)) >> 1  # manual_seed takes 63 bits here
+
+
+def position_generator(seed: int, position: int, stream: int, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(mix_seed(seed, position, stream))
+    return generator
+
+
+def exponential_noise(generator: torch.Generator, size: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise for the exponential race; clamped away from 0 so 0 / noise stays 0."""
+    noise = torch.empty(size, device=device).exponential_(generator=generator)
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def verify_noise(
+    seed: int, first_position: int, num_draft: int, k_max: int, vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random numbers of one verify row whose p_1 is at sequence position first_position:
+    uniforms [k_max] for the accept tests and Exp(1) noise [k_max + 1, vocab] for the
+    recovered or bonus draw. Positions past num_draft + 1 are padding."""
+    uniforms = torch.zeros(k_max, device=device)
+    noise = torch.ones(k_max + 1, vocab, device=device)
+    for i in range(num_draft + 1):
+        generator = position_generator(seed, first_position + i, VERIFY_STREAM, device)
+        uniform = torch.rand(1, generator=generator, device=device)
+        if i < num_draft:
+            uniforms[i] = uniform[0]
+        noise[i] = exponential_noise(generator, vocab, device)
+    return uniforms, noise
+
+
+def sample_sparse(ids: torch.Tensor, probs: torch.Tensor, seed: int, position: int) -> int:
+    """Draw one token of a sparse distribution with the draft's keyed randomness."""
+    generator = position_generator(seed, position, DRAFT_STREAM, probs.device)
+    noise = exponential_noise(generator, probs.shape[0], probs.device)
+    return int(ids[torch.argmax(probs / noise)])
