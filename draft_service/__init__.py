@@ -1,0 +1,1 @@
+"""The draft service: draft models and their per-session draft KV caches."""

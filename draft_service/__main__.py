@@ -1,0 +1,32 @@
+"""`python -m draft_service`: load the draft model and serve DraftService."""
+
+from __future__ import annotations
+
+import sys
+
+from draft_service.config import DraftConfig
+from draft_service.engine import Drafter
+from draft_service.servicer import SERVICE_NAME, DraftServicer
+from specserve.batching import Batcher
+from specserve.config import parse_config
+from specserve.grpc_server import run_service
+from specserve.logs import setup_logging
+from specserve.models import load_for_service
+from specserve.v1 import draft_pb2_grpc
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(DraftConfig, "draft", argv, "specserve draft", "Serve the draft model (DraftService).")
+    setup_logging("draft")
+    loaded = load_for_service(config)
+    drafter = Drafter(loaded, config)
+    batcher = Batcher(drafter.step, config.max_batch, config.max_wait_ms / 1000, name="drafter")
+    servicer = DraftServicer(drafter, batcher, loaded, config)
+    register = lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)  # noqa: E731
+    run_service(SERVICE_NAME, register, config.address, config.max_workers, config.grace_s)
+    batcher.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

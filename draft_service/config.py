@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specserve.config import check, field
+from specserve.paths import DEMO_DRAFT
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    model: str = field(str(DEMO_DRAFT), "directory of the draft model (Hugging Face format)")
+    host: str = field("127.0.0.1", "address to listen on (0.0.0.0 for all interfaces)")
+    port: int = field(50051, "gRPC port")
+    device: str = field("auto", "torch device: auto (CUDA when present), cpu, cuda, cuda:N")
+    dtype: str = field("auto", "weight dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    support_size: int = field(32, "draft tokens are drawn from the draft's top support_size tokens, renormalised")
+    max_speculative_tokens: int = field(16, "largest K accepted per request")
+    max_sessions: int = field(256, "most concurrent sessions (streams); beyond it RESOURCE_EXHAUSTED")
+    max_batch: int = field(64, "most draft requests processed in one batch")
+    max_wait_ms: float = field(0.0, "how long a lone request waits for others to share its batch")
+    threads: int = field(0, "torch CPU threads for the model (0: torch's default)")
+    max_workers: int = field(300, "gRPC worker threads (each open stream holds one)")
+    grace_s: float = field(10.0, "on SIGTERM, how long in-flight streams may take to finish")
+
+    def __post_init__(self) -> None:
+        check(bool(self.model), "model must name a directory")
+        check(0 < self.port < 65536, f"port must lie in 1..65535, got {self.port}")
+        check(self.support_size >= 1, "support_size must be >= 1")
+        check(self.max_speculative_tokens >= 1, "max_speculative_tokens must be >= 1")
+        check(self.max_sessions >= 1, "max_sessions must be >= 1")
+        check(self.max_batch >= 1, "max_batch must be >= 1")
+        check(self.max_wait_ms >= 0, "max_wait_ms must be >= 0")
+        check(self.threads >= 0, "threads must be >= 0")
+        check(self.max_workers > self.max_sessions, "max_workers must exceed max_sessions: each stream holds a thread")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"

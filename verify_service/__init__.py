@@ -1,0 +1,1 @@
+"""The verify service: the target model, per-session target KV caches, batched verification."""

@@ -1,0 +1,32 @@
+"""`python -m verify_service`: load the target model and serve VerifyService."""
+
+from __future__ import annotations
+
+import sys
+
+from specserve.batching import Batcher
+from specserve.config import parse_config
+from specserve.grpc_server import run_service
+from specserve.logs import setup_logging
+from specserve.models import load_for_service
+from specserve.v1 import verify_pb2_grpc
+from verify_service.config import VerifyConfig
+from verify_service.engine import Verifier
+from verify_service.servicer import SERVICE_NAME, VerifyServicer
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(VerifyConfig, "verify", argv, "specserve verify", "Serve the target model (VerifyService).")
+    setup_logging("verify")
+    loaded = load_for_service(config)
+    verifier = Verifier(loaded, config)
+    batcher = Batcher(verifier.step, config.max_batch, config.max_wait_ms / 1000, name="verifier")
+    servicer = VerifyServicer(batcher, loaded, config)
+    register = lambda server: verify_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, server)  # noqa: E731
+    run_service(SERVICE_NAME, register, config.address, config.max_workers, config.grace_s)
+    batcher.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specserve.config import check, field
+from specserve.paths import DEMO_TARGET
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    model: str = field(str(DEMO_TARGET), "directory of the target model (Hugging Face format)")
+    served_model_name: str = field("", "name clients use for the model; default: the directory's name")
+    host: str = field("127.0.0.1", "address to listen on (0.0.0.0 for all interfaces)")
+    port: int = field(50052, "gRPC port")
+    device: str = field("auto", "torch device: auto (CUDA when present), cpu, cuda, cuda:N")
+    dtype: str = field("auto", "weight dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    max_sessions: int = field(256, "most sessions (target KV caches) held at once; beyond it RESOURCE_EXHAUSTED")
+    max_speculative_tokens: int = field(16, "largest K accepted per Verify call")
+    max_support: int = field(1024, "largest sparse draft-distribution support accepted per position")
+    max_batch: int = field(64, "most calls verified in one batch")
+    max_wait_ms: float = field(1.0, "how long a lone call waits for others to share its batch")
+    threads: int = field(0, "torch CPU threads for the model (0: torch's default)")
+    max_workers: int = field(256, "gRPC worker threads (concurrent calls in flight)")
+    grace_s: float = field(10.0, "on SIGTERM, how long in-flight calls may take to finish")
+
+    def __post_init__(self) -> None:
+        check(bool(self.model), "model must name a directory")
+        check(0 < self.port < 65536, f"port must lie in 1..65535, got {self.port}")
+        check(self.max_sessions >= 1, "max_sessions must be >= 1")
+        check(self.max_speculative_tokens >= 1, "max_speculative_tokens must be >= 1")
+        check(self.max_support >= 1, "max_support must be >= 1")
+        check(self.max_batch >= 1, "max_batch must be >= 1")
+        check(self.max_wait_ms >= 0, "max_wait_ms must be >= 0")
+        check(self.threads >= 0, "threads must be >= 0")
+        check(self.max_workers >= 4, "max_workers must be >= 4")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"

@@ -1,0 +1,249 @@
+"""The verifier: scores each session's draft tokens with the target and decides, for all
+sessions of a batch in one kernel call, which drafts to keep.
+
+Vocabulary (DESIGN.md, "Words"; Leviathan et al. 2023, https://arxiv.org/abs/2211.17192):
+a *round* is one draft + one verify; the *draft tokens* d_1..d_K are the K proposals, drawn
+from the draft distributions q_i; the target's processed distributions p_1..p_{K+1} come
+from one forward over [last verified token, d_1..d_K]. *Accepted tokens* are the prefix of
+drafts the rejection rule keeps; after a rejection the *recovered token* is drawn from
+norm(max(0, p_j - q_j)), and when all K are kept the *bonus token* from p_{K+1}. A round
+therefore emits between 1 and K+1 tokens and the output follows p exactly. *num_verified*
+is the length of the verified sequence a call assumes.
+
+All methods run on the batcher's single worker thread, so sessions need no locks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import greedy_verify, rejection_sample
+from specserve.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, require
+from specserve.models import CachedSequence, LoadedModel
+from specserve.protocol import SparseDistribution, check_token_ids
+from specserve.sampling import SamplingParams, processed_probs, verify_noise
+from verify_service.config import VerifyConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    session_id: str
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class VerifyJob:
+    session_id: str
+    num_verified: int
+    draft_token_ids: tuple[int, ...]
+    draft_distributions: tuple[SparseDistribution, ...]
+    sampling: SamplingParams | None  # None: the session's own
+
+
+@dataclass(frozen=True)
+class ReleaseJob:
+    session_id: str
+
+
+Job = PrefillJob | VerifyJob | ReleaseJob
+
+
+@dataclass(frozen=True)
+class Outcome:
+    num_accepted: int
+    next_token_id: int
+    num_verified: int
+    batch_size: int
+
+
+@dataclass
+class Session:
+    tokens: list[int]  # the verified sequence; its last token is not yet in the cache
+    cache: CachedSequence
+    sampling: SamplingParams
+
+
+@dataclass
+class _Row:
+    """One session's share of a batch, between the forward and the decision."""
+
+    session_id: str
+    session: Session
+    logits: torch.Tensor  # [num_draft + 1, vocab] float32
+    drafts: tuple[int, ...]
+    distributions: tuple[SparseDistribution, ...]
+    sampling: SamplingParams
+    first_position: int  # sequence position of d_1 (or of the token after a prefill)
+    is_new: bool
+    batch_size: int = field(default=1)
+
+
+class Verifier:
+    def __init__(self, loaded: LoadedModel, config: VerifyConfig):
+        self.loaded = loaded
+        self.config = config
+        self.sessions: dict[str, Session] = {}
+
+    def step(self, jobs: list[Job]) -> list[Outcome | None | BaseException]:
+        """Processes one batch: per-session forwards, one kernel call per sampling mode."""
+        results: list[Outcome | None | BaseException] = [None] * len(jobs)
+        rows: list[tuple[int, _Row]] = []
+        claimed: set[str] = set()
+        for index, job in enumerate(jobs):
+            try:
+                if isinstance(job, ReleaseJob):
+                    self.sessions.pop(job.session_id, None)
+                    continue
+                require(job.session_id not in claimed, "another call for this session is in the same batch")
+                rows.append((index, self._score(job, pending_new=sum(row.is_new for _, row in rows))))
+                claimed.add(job.session_id)
+            except Exception as error:  # noqa: BLE001 - one bad call must not fail its batch
+                if not isinstance(error, (InvalidArgument, FailedPrecondition, ResourceExhausted)):
+                    log.exception("scoring %s failed", type(job).__name__)
+                results[index] = error
+        decisions = self._decide([row for _, row in rows])
+        for (index, row), (num_accepted, next_token) in zip(rows, decisions):
+            results[index] = self._commit(row, num_accepted, next_token)
+        return results
+
+    def _score(self, job: PrefillJob | VerifyJob, pending_new: int) -> _Row:
+        if isinstance(job, PrefillJob):
+            return self._score_prefill(job, pending_new)
+        return self._score_verify(job)
+
+    def _score_prefill(self, job: PrefillJob, pending_new: int) -> _Row:
+        require(bool(job.session_id), "session_id must not be empty")
+        require(len(job.token_ids) >= 1, "token_ids must not be empty")
+        require(
+            len(job.token_ids) < self.loaded.max_context_length,
+            f"{len(job.token_ids)} tokens leave no room in the context window of {self.loaded.max_context_length}",
+        )
+        check_token_ids(job.token_ids, self.loaded.vocab_size, "token_ids")
+        is_new = job.session_id not in self.sessions
+        if is_new and len(self.sessions) + pending_new >= self.config.max_sessions:
+            raise ResourceExhausted(f"the verifier holds its maximum of {self.config.max_sessions} sessions")
+        session = Session(list(job.token_ids), CachedSequence(self.loaded), job.sampling)
+        logits = session.cache.extend(list(job.token_ids))[-1:]  # [1, vocab]
+        return _Row(job.session_id, session, logits, (), (), job.sampling, len(job.token_ids), is_new)
+
+    def _score_verify(self, job: VerifyJob) -> _Row:
+        session = self.sessions.get(job.session_id)
+        if session is None:
+            raise FailedPrecondition(f"unknown session {job.session_id!r}; prefill it first", 0)
+        if job.num_verified != len(session.tokens):
+            raise FailedPrecondition(
+                f"session holds {len(session.tokens)} verified tokens, call assumes {job.num_verified}",
+                len(session.tokens),
+            )
+        sampling = job.sampling or session.sampling
+        self._check_drafts(job, sampling)
+        cache = session.cache
+        cache.truncate(len(session.tokens) - 1)  # also undoes a forward whose batch failed
+        logits = cache.extend([session.tokens[-1], *job.draft_token_ids])  # [K + 1, vocab]
+        return _Row(
+            job.session_id,
+            session,
+            logits,
+            job.draft_token_ids,
+            job.draft_distributions,
+            sampling,
+            job.num_verified,
+            False,
+        )
+
+    def _check_drafts(self, job: VerifyJob, sampling: SamplingParams) -> None:
+        k = len(job.draft_token_ids)
+        require(
+            k <= self.config.max_speculative_tokens,
+            f"at most {self.config.max_speculative_tokens} draft tokens per call, got {k}",
+        )
+        require(
+            job.num_verified + k <= self.loaded.max_context_length,
+            f"{job.num_verified} verified + {k} draft tokens exceed the context window of {self.loaded.max_context_length}",
+        )
+        check_token_ids(job.draft_token_ids, self.loaded.vocab_size, "draft_token_ids")
+        if sampling.is_greedy:
+            require(not job.draft_distributions, "greedy requests carry no draft distributions")
+            return
+        require(
+            len(job.draft_distributions) == k,
+            f"{k} draft tokens need {k} draft distributions, got {len(job.draft_distributions)}",
+        )
+        for i, (token, distribution) in enumerate(zip(job.draft_token_ids, job.draft_distributions)):
+            require(distribution.prob_of(token) > 0, f"draft token {i} ({token}) has no mass in its own distribution")
+
+    def _decide(self, rows: list[_Row]) -> list[tuple[int, int]]:
+        decisions: list[tuple[int, int]] = [(0, 0)] * len(rows)
+        greedy = [i for i, row in enumerate(rows) if row.sampling.is_greedy]
+        sampled = [i for i, row in enumerate(rows) if not row.sampling.is_greedy]
+        for group, decide in ((greedy, self._decide_greedy), (sampled, self._decide_sampled)):
+            if group:
+                for i in group:
+                    rows[i].batch_size = len(group)
+                for i, decision in zip(group, decide([rows[i] for i in group])):
+                    decisions[i] = decision
+        return decisions
+
+    def _decide_greedy(self, rows: list[_Row]) -> list[tuple[int, int]]:
+        logits, drafts, num_draft = self._pad_rows(rows, [row.logits for row in rows])
+        output, num_accepted = greedy_verify(logits, drafts, num_draft)
+        return _unpack(output, num_accepted)
+
+    def _decide_sampled(self, rows: list[_Row]) -> list[tuple[int, int]]:
+        probs = [processed_probs(row.logits, row.sampling) for row in rows]
+        target_probs, drafts, num_draft = self._pad_rows(rows, probs)
+        batch, k_max = drafts.shape
+        vocab = target_probs.shape[2]
+        support = max((len(d.token_ids) for row in rows for d in row.distributions), default=1)
+        device = self.loaded.device
+        q_ids = torch.full((batch, k_max, support), -1, dtype=torch.long)  # [batch, k_max, support]
+        q_probs = torch.zeros(batch, k_max, support)
+        uniforms = torch.zeros(batch, k_max)  # [batch, k_max]
+        noise = torch.ones(batch, k_max + 1, vocab, device=device)  # [batch, k_max + 1, vocab]
+        for b, row in enumerate(rows):
+            for i, distribution in enumerate(row.distributions):
+                q_ids[b, i, : len(distribution.token_ids)] = torch.tensor(distribution.token_ids)
+                q_probs[b, i, : len(distribution.probs)] = torch.tensor(distribution.probs)
+            row_uniforms, row_noise = verify_noise(
+                row.sampling.seed, row.first_position, len(row.drafts), k_max, vocab, device
+            )
+            uniforms[b] = row_uniforms.cpu()
+            noise[b] = row_noise
+        output, num_accepted = rejection_sample(
+            target_probs, drafts, num_draft, q_ids.to(device), q_probs.to(device), uniforms.to(device), noise
+        )
+        return _unpack(output, num_accepted)
+
+    def _pad_rows(
+        self, rows: list[_Row], per_row: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Stacks rows of different K: ([batch, k_max + 1, vocab], drafts [batch, k_max], num_draft [batch])."""
+        k_max = max(len(row.drafts) for row in rows)
+        vocab = per_row[0].shape[1]
+        device = self.loaded.device
+        scores = torch.zeros(len(rows), k_max + 1, vocab, device=device)
+        drafts = torch.full((len(rows), k_max), -1, dtype=torch.long)
+        for b, (row, values) in enumerate(zip(rows, per_row)):
+            scores[b, : values.shape[0]] = values
+            drafts[b, : len(row.drafts)] = torch.tensor(row.drafts, dtype=torch.long)
+        num_draft = torch.tensor([len(row.drafts) for row in rows], dtype=torch.long)
+        return scores, drafts.to(device), num_draft.to(device)
+
+    def _commit(self, row: _Row, num_accepted: int, next_token: int) -> Outcome:
+        session = row.session
+        session.tokens.extend(row.drafts[:num_accepted])
+        session.tokens.append(next_token)
+        session.cache.truncate(len(session.tokens) - 1)
+        self.sessions[row.session_id] = session
+        return Outcome(num_accepted, next_token, len(session.tokens), row.batch_size)
+
+
+def _unpack(output: torch.Tensor, num_accepted: torch.Tensor) -> list[tuple[int, int]]:
+    output, num_accepted = output.cpu(), num_accepted.cpu()
+    return [(int(n), int(output[b, n])) for b, n in enumerate(num_accepted.tolist())]

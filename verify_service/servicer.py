@@ -1,0 +1,65 @@
+"""gRPC servicer of the verify service: message -> job -> batcher -> message."""
+
+from __future__ import annotations
+
+import time
+
+from specserve.batching import Batcher
+from specserve.models import LoadedModel
+from specserve.protocol import SparseDistribution, model_info
+from specserve.sampling import SamplingParams
+from specserve.v1 import common_pb2, verify_pb2, verify_pb2_grpc
+from verify_service.config import VerifyConfig
+from verify_service.engine import Outcome, PrefillJob, ReleaseJob, VerifyJob
+
+SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
+
+
+class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
+    def __init__(self, batcher: Batcher, loaded: LoadedModel, config: VerifyConfig):
+        self._batcher = batcher
+        self._loaded = loaded
+        self._config = config
+        self._info = model_info(loaded, config.max_speculative_tokens)
+
+    def Prefill(self, request: verify_pb2.PrefillRequest, context) -> verify_pb2.PrefillResponse:
+        started = time.perf_counter()
+        job = PrefillJob(request.session_id, tuple(request.token_ids), SamplingParams.from_proto(request.sampling))
+        outcome: Outcome = self._batcher.submit(job)
+        return verify_pb2.PrefillResponse(
+            next_token_id=outcome.next_token_id,
+            num_verified=outcome.num_verified,
+            server_seconds=time.perf_counter() - started,
+        )
+
+    def Verify(self, request: verify_pb2.VerifyRequest, context) -> verify_pb2.VerifyResponse:
+        started = time.perf_counter()
+        outcome: Outcome = self._batcher.submit(self._verify_job(request))
+        return verify_pb2.VerifyResponse(
+            num_accepted=outcome.num_accepted,
+            next_token_id=outcome.next_token_id,
+            num_verified=outcome.num_verified,
+            batch_size=outcome.batch_size,
+            server_seconds=time.perf_counter() - started,
+        )
+
+    def Release(self, request: verify_pb2.ReleaseRequest, context) -> verify_pb2.ReleaseResponse:
+        self._batcher.submit(ReleaseJob(request.session_id))
+        return verify_pb2.ReleaseResponse()
+
+    def GetModelInfo(self, request, context) -> common_pb2.ModelInfo:
+        return self._info
+
+    def _verify_job(self, request: verify_pb2.VerifyRequest) -> VerifyJob:
+        distributions = tuple(
+            SparseDistribution.from_proto(d, self._loaded.vocab_size, self._config.max_support)
+            for d in request.draft_distributions
+        )
+        sampling = SamplingParams.from_proto(request.sampling) if request.HasField("sampling") else None
+        return VerifyJob(
+            session_id=request.session_id,
+            num_verified=request.num_verified,
+            draft_token_ids=tuple(request.draft_token_ids),
+            draft_distributions=distributions,
+            sampling=sampling,
+        )
