@@ -1,0 +1,1 @@
+"""The gateway: the OpenAI-compatible HTTP API, each request's token sequence and its rounds."""

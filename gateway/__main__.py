@@ -1,0 +1,40 @@
+"""`python -m gateway`: check the model pair, then serve the HTTP API."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from gateway.app import create_app
+from gateway.backends import IncompatibleModels, check_pair, served_model, wait_for_model_info
+from gateway.config import GatewayConfig
+from specserve.config import parse_config
+from specserve.logs import setup_logging
+from specserve.models import load_tokenizer, tokenizer_fingerprint
+from specserve.v1 import draft_pb2_grpc, verify_pb2_grpc
+
+log = logging.getLogger("gateway")
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(GatewayConfig, "gateway", argv, "specserve gateway", "Serve the OpenAI-compatible HTTP API.")
+    setup_logging("gateway")
+    tokenizer = load_tokenizer(config.tokenizer)
+    try:
+        target = wait_for_model_info(config.verify_address, verify_pb2_grpc.VerifyServiceStub, config.startup_timeout_s)
+        draft = wait_for_model_info(config.draft_address, draft_pb2_grpc.DraftServiceStub, config.startup_timeout_s)
+        check_pair(target, draft, tokenizer_fingerprint(tokenizer))
+    except (IncompatibleModels, TimeoutError) as error:
+        log.error("refusing to start: %s", error)
+        return 2
+    served = served_model(target, draft, config.served_model_name)
+    log.info("serving %s (draft %s) on http://%s:%d", served.name, draft.model_name, config.host, config.port)
+    app = create_app(config, served, tokenizer)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

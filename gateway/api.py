@@ -1,0 +1,199 @@
+"""The OpenAI-compatible request bodies, their validation, and the error shape.
+
+Field names are the ones OpenAI clients send; `speculation` and `return_token_ids` are
+specserve's extensions. Validation that needs the served model (context window, vocabulary,
+K bounds) happens in `plan_for`, after parsing.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.backends import ServedModel
+from gateway.generation import GenerationPlan
+from specserve.sampling import SamplingParams
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @property
+    def type(self) -> str:
+        return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                429: "rate_limit_error"}.get(self.status, "server_error")  # fmt: skip
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param, "invalid_value")
+
+
+class Speculation(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["draft_model", "none"] | None = None
+    num_speculative_tokens: int | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields common to completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    speculation: Speculation | None = None
+    return_token_ids: bool = False
+    logprobs: bool | int | None = None
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stops):
+            raise bad_request("stop strings must not be empty", "stop")
+        return tuple(stops)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] = Field(...)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request("only text content parts are supported", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = None
+
+
+def check_model(requested: str | None, served: ServedModel) -> None:
+    if requested is not None and requested != served.name:
+        raise ApiError(
+            404,
+            f"The model `{requested}` does not exist; this server serves `{served.name}`.",
+            "model",
+            "model_not_found",
+        )
+
+
+def check_unsupported(request: _GenerationRequest) -> None:
+    if request.n not in (None, 1):
+        raise bad_request("only n = 1 is supported", "n")
+    if request.logprobs not in (None, False, 0):
+        raise bad_request("logprobs are not supported", "logprobs")
+    if isinstance(request, CompletionRequest):
+        if request.echo:
+            raise bad_request("echo is not supported", "echo")
+        if request.best_of not in (None, 1):
+            raise bad_request("only best_of = 1 is supported", "best_of")
+        if request.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+
+
+def sampling_for(request: _GenerationRequest) -> SamplingParams:
+    temperature = 1.0 if request.temperature is None else request.temperature
+    top_p = 1.0 if request.top_p is None else request.top_p
+    top_k = 0 if request.top_k in (None, -1) else request.top_k
+    if not temperature >= 0:
+        raise bad_request("temperature must be >= 0", "temperature")
+    if not 0 < top_p <= 1:
+        raise bad_request("top_p must lie in (0, 1]", "top_p")
+    if top_k < 0:
+        raise bad_request("top_k must be >= 0 (0 or -1 keeps every token)", "top_k")
+    seed = secrets.randbits(63) if request.seed is None else request.seed
+    if not 0 <= seed < 2**64:
+        raise bad_request("seed must lie in [0, 2**64)", "seed")
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+
+
+def plan_for(
+    request: _GenerationRequest,
+    prompt_token_ids: list[int],
+    served: ServedModel,
+    default_method: str,
+    default_k: int,
+) -> GenerationPlan:
+    check_unsupported(request)
+    if not prompt_token_ids:
+        raise bad_request("the prompt must not be empty", "prompt")
+    if any(not 0 <= t < served.vocab_size for t in prompt_token_ids):
+        raise bad_request(f"prompt token ids must lie in [0, {served.vocab_size})", "prompt")
+    room = served.max_context_length - len(prompt_token_ids)
+    if room < 1:
+        raise bad_request(
+            f"the prompt has {len(prompt_token_ids)} tokens; the context window is {served.max_context_length}",
+            "prompt",
+        )
+    max_tokens = _max_tokens(request, room)
+    if max_tokens < 1:
+        raise bad_request("max_tokens must be >= 1", "max_tokens")
+    if max_tokens > room:
+        raise bad_request(
+            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context window "
+            f"of {served.max_context_length} tokens",
+            "max_tokens",
+        )
+    speculation = request.speculation or Speculation()
+    k = default_k if speculation.num_speculative_tokens is None else speculation.num_speculative_tokens
+    if not 1 <= k <= served.max_speculative_tokens:
+        raise bad_request(
+            f"speculation.num_speculative_tokens must lie in 1..{served.max_speculative_tokens}",
+            "speculation.num_speculative_tokens",
+        )
+    return GenerationPlan(
+        prompt_token_ids=prompt_token_ids,
+        max_tokens=max_tokens,
+        sampling=sampling_for(request),
+        method=speculation.method or default_method,
+        num_speculative_tokens=min(k, served.max_speculative_tokens),
+    )
+
+
+def _max_tokens(request: _GenerationRequest, room: int) -> int:
+    if isinstance(request, ChatCompletionRequest):
+        value = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        return room if value is None else value
+    return 16 if request.max_tokens is None else request.max_tokens  # OpenAI's completions default

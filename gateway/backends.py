@@ -1,0 +1,141 @@
+"""The gateway's view of the two services: channels, stubs, start-up checks, health."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2_grpc
+
+
+class IncompatibleModels(Exception):
+    """The draft and the target (or the gateway's tokenizer) do not share a vocabulary."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the gateway needs to know of the pair it serves."""
+
+    name: str
+    vocab_size: int
+    max_context_length: int
+    eos_token_ids: frozenset[int]
+    max_speculative_tokens: int
+
+
+def wait_for_model_info(address: str, stub_cls, timeout_s: float) -> common_pb2.ModelInfo:
+    """Polls a service's GetModelInfo until it answers (it may still be loading its model)."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = stub_cls(channel)
+        while True:
+            try:
+                return stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=5, wait_for_ready=True)
+            except grpc.RpcError as error:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"no answer from {address} within {timeout_s:.0f} s: {error.details()}"
+                    ) from None
+                time.sleep(0.5)
+
+
+def check_pair(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo, gateway_fingerprint: str) -> None:
+    if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
+        raise IncompatibleModels(
+            f"the draft model {draft.model_name!r} and the target model {target.model_name!r} have different "
+            f"vocabularies (tokenizer fingerprints {draft.tokenizer_fingerprint} and {target.tokenizer_fingerprint}); "
+            "speculative decoding needs a draft that shares the target's tokenizer"
+        )
+    if gateway_fingerprint != target.tokenizer_fingerprint:
+        raise IncompatibleModels(
+            f"the gateway's tokenizer (fingerprint {gateway_fingerprint}) is not the target model's "
+            f"({target.tokenizer_fingerprint}); point --tokenizer at the target's directory"
+        )
+
+
+def served_model(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo, name: str) -> ServedModel:
+    return ServedModel(
+        name=name or target.model_name,
+        vocab_size=target.vocab_size,
+        max_context_length=target.max_context_length,
+        eos_token_ids=frozenset(target.eos_token_ids),
+        max_speculative_tokens=min(target.max_speculative_tokens, draft.max_speculative_tokens),
+    )
+
+
+class Backends:
+    """Async stubs of both services, opened inside the gateway's event loop."""
+
+    def __init__(self, draft_address: str, verify_address: str, rpc_timeout_s: float):
+        self.rpc_timeout_s = rpc_timeout_s
+        self._draft_channel = grpc.aio.insecure_channel(draft_address)
+        self._verify_channel = grpc.aio.insecure_channel(verify_address)
+        self.draft = draft_pb2_grpc.DraftServiceStub(self._draft_channel)
+        self.verify = verify_pb2_grpc.VerifyServiceStub(self._verify_channel)
+        self._health = [
+            health_pb2_grpc.HealthStub(self._draft_channel),
+            health_pb2_grpc.HealthStub(self._verify_channel),
+        ]
+
+    async def ready(self) -> bool:
+        for stub in self._health:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+            except grpc.RpcError:
+                return False
+            if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                return False
+        return True
+
+    async def close(self) -> None:
+        await self._draft_channel.close()
+        await self._verify_channel.close()
+
+
+class DraftStream:
+    """One session's draft stream: sends only the tokens verified since the last request."""
+
+    def __init__(self, backends: Backends, session_id: str):
+        self._backends = backends
+        self._session_id = session_id
+        self._call = None
+        self._sent = 0  # verified tokens the draft service has been told of
+
+    async def propose(
+        self, sequence: list[int], k: int, sampling: common_pb2.SamplingParams
+    ) -> draft_pb2.DraftResponse:
+        if self._call is None:
+            self._call = self._backends.draft.Draft(timeout=None)
+            self._sent = 0
+        request = draft_pb2.DraftRequest(
+            session_id=self._session_id,
+            tokens=sequence[self._sent :],
+            num_verified=len(sequence),
+            num_speculative_tokens=k,
+            sampling=sampling,
+        )
+        await self._call.write(request)
+        response = await asyncio.wait_for(self._call.read(), self._backends.rpc_timeout_s)
+        if response is grpc.aio.EOF:
+            raise RuntimeError("the draft service ended the stream")
+        self._sent = len(sequence)
+        return response
+
+    def reset(self) -> None:
+        """Drops a broken stream; the next proposal reopens it with the whole sequence."""
+        if self._call is not None:
+            self._call.cancel()
+        self._call = None
+
+    async def close(self) -> None:
+        if self._call is not None:
+            try:
+                await self._call.done_writing()
+            except grpc.RpcError:
+                pass
+            self._call.cancel()
+            self._call = None

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specserve.config import check, field
+from specserve.paths import DEMO_TARGET
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = field("127.0.0.1", "address to listen on (0.0.0.0 for all interfaces)")
+    port: int = field(8000, "HTTP port")
+    draft_address: str = field("127.0.0.1:50051", "host:port of the draft service")
+    verify_address: str = field("127.0.0.1:50052", "host:port of the verify service")
+    tokenizer: str = field(str(DEMO_TARGET), "directory holding the target's tokenizer files")
+    served_model_name: str = field("", "model name clients send; default: the verify service's")
+    num_speculative_tokens: int = field(4, "K used when a request does not set speculation.num_speculative_tokens")
+    method: str = field("draft_model", "speculation method when a request sets none: draft_model or none")
+    startup_timeout_s: float = field(300.0, "how long to wait at start for both services to answer")
+    rpc_timeout_s: float = field(60.0, "deadline of each call to a service")
+
+    def __post_init__(self) -> None:
+        check(0 < self.port < 65536, f"port must lie in 1..65535, got {self.port}")
+        check(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1")
+        check(self.method in ("draft_model", "none"), f"method must be draft_model or none, got {self.method!r}")
+        check(self.startup_timeout_s > 0, "startup_timeout_s must be > 0")
+        check(self.rpc_timeout_s > 0, "rpc_timeout_s must be > 0")

@@ -1,0 +1,73 @@
+"""Turning generated token ids into text deltas: stop tokens, stop strings, and holding back
+text that might still turn out to be a stop string or half of a UTF-8 character."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class TextDelta:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class TextAssembler:
+    tokenizer: object
+    eos_token_ids: frozenset[int]
+    stop: tuple[str, ...]
+    max_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    emitted_text: str = ""
+    finish_reason: str | None = None
+
+    def add(self, new_tokens: list[int]) -> TextDelta:
+        """Consumes one round's tokens; returns what may be shown now."""
+        taken = self._take(new_tokens)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        stop_at = self._find_stop(text)
+        if stop_at is not None:
+            text, self.finish_reason = text[:stop_at], "stop"
+        if self.finish_reason is None:
+            text = self._safe_prefix(text)
+        delta = text[len(self.emitted_text) :] if text.startswith(self.emitted_text) else ""
+        self.emitted_text += delta
+        return TextDelta(delta, taken, self.finish_reason)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def _take(self, new_tokens: list[int]) -> list[int]:
+        taken: list[int] = []
+        for token in new_tokens:
+            if self.finished:
+                break
+            taken.append(token)
+            self.token_ids.append(token)
+            if token in self.eos_token_ids:
+                self.finish_reason = "stop"
+            elif len(self.token_ids) >= self.max_tokens:
+                self.finish_reason = "length"
+        return taken
+
+    def _find_stop(self, text: str) -> int | None:
+        # Only text after what was already shown can hold a new stop string (plus overlap).
+        horizon = max(0, len(self.emitted_text) - max((len(s) for s in self.stop), default=0))
+        hits = [i for i in (text.find(s, horizon) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _safe_prefix(self, text: str) -> str:
+        """Text minus a trailing incomplete character and any tail that begins a stop string."""
+        text = text.rstrip(REPLACEMENT_CHAR)
+        hold = 0
+        for stop in self.stop:
+            for n in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:n]):
+                    hold = max(hold, n)
+                    break
+        return text[: len(text) - hold] if hold else text

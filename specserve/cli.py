@@ -1,0 +1,151 @@
+"""The `specserve` command: start the whole stack on one machine, or one part of it.
+
+Each service runs as its own process, started by module name (`python -m draft_service`),
+so this module never imports a service package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from specserve.paths import DEMO_DRAFT, DEMO_TARGET
+
+SERVICE_MODULES = {"draft": "draft_service", "verify": "verify_service", "gateway": "gateway"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SERVICE_MODULES:
+        os.execv(sys.executable, [sys.executable, "-m", SERVICE_MODULES[argv[0]], *argv[1:]])
+    if argv and argv[0] == "gen-protos":
+        from specserve.protogen import main as gen_protos
+
+        return gen_protos(argv[1:])
+    if argv and argv[0] == "train-demo":
+        from specserve.train_demo import main as train_demo
+
+        return train_demo(argv[1:])
+    args = _parser().parse_args(argv)
+    if args.command == "up":
+        return up(args)
+    _parser().print_help()
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="Lossless speculative decoding over gRPC.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    up_parser = commands.add_parser("up", help="start draft, verifier and gateway on this machine")
+    up_parser.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
+    up_parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default 8000)")
+    up_parser.add_argument("--draft-port", type=int, default=50051, help="draft service port (default 50051)")
+    up_parser.add_argument("--verify-port", type=int, default=50052, help="verify service port (default 50052)")
+    up_parser.add_argument(
+        "--target", default=str(DEMO_TARGET), help="target model directory (default: the demo target)"
+    )
+    up_parser.add_argument("--draft", default=str(DEMO_DRAFT), help="draft model directory (default: the demo draft)")
+    up_parser.add_argument("--device", default="auto", help="torch device for both models (default auto)")
+    up_parser.add_argument("--startup-timeout", type=float, default=300, help="seconds to wait for readiness")
+    for name in SERVICE_MODULES:
+        commands.add_parser(name, help=f"run only the {name} service (`specserve {name} --help`)", add_help=False)
+    commands.add_parser("gen-protos", help="regenerate the gRPC stubs from protos/ (--check to verify)", add_help=False)
+    commands.add_parser("train-demo", help="train the embedded demo model pair", add_help=False)
+    return parser
+
+
+def _commands(args: argparse.Namespace) -> dict[str, list[str]]:
+    python = [sys.executable, "-m"]
+    return {
+        "verify": [*python, "verify_service", "--model", args.target, "--port", str(args.verify_port), "--device", args.device],
+        "draft": [*python, "draft_service", "--model", args.draft, "--port", str(args.draft_port), "--device", args.device],
+        "gateway": [
+            *python, "gateway", "--host", args.host, "--port", str(args.port), "--tokenizer", args.target,
+            "--draft-address", f"127.0.0.1:{args.draft_port}", "--verify-address", f"127.0.0.1:{args.verify_port}",
+        ],
+    }  # fmt: skip
+
+
+def up(args: argparse.Namespace) -> int:
+    for role, path in (("target", args.target), ("draft", args.draft)):
+        if not (Path(path) / "config.json").is_file():
+            print(f"specserve: no {role} model at {path} (no config.json); pass --{role} DIR", file=sys.stderr)
+            return 2
+    processes = {name: subprocess.Popen(command) for name, command in _commands(args).items()}
+    stopping = {"signal": None}
+
+    def request_stop(signum, _frame):
+        stopping["signal"] = signum
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    try:
+        url = f"http://{args.host}:{args.port}"
+        if not _wait_healthy(url, processes, args.startup_timeout, stopping):
+            return 1
+        _print_welcome(url)
+        while stopping["signal"] is None:
+            dead = _first_exited(processes)
+            if dead:
+                print(f"specserve: {dead} exited with code {processes[dead].returncode}; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        _stop_all(processes)
+
+
+def _wait_healthy(url: str, processes: dict[str, subprocess.Popen], timeout_s: float, stopping: dict) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and stopping["signal"] is None:
+        dead = _first_exited(processes)
+        if dead:
+            print(f"specserve: {dead} exited with code {processes[dead].returncode} during start-up", file=sys.stderr)
+            return False
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    if stopping["signal"] is None:
+        print(f"specserve: not healthy after {timeout_s:.0f} s", file=sys.stderr)
+    return False
+
+
+def _first_exited(processes: dict[str, subprocess.Popen]) -> str | None:
+    return next((name for name, process in processes.items() if process.poll() is not None), None)
+
+
+def _stop_all(processes: dict[str, subprocess.Popen]) -> None:
+    for process in processes.values():
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    for process in processes.values():
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _print_welcome(url: str) -> None:
+    print(
+        f"\nspecserve is up: {url}\n\n"
+        f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+        '    -d \'{"prompt": "def fibonacci(n):", "max_tokens": 64, "temperature": 0}\'\n\n'
+        "Ctrl-C stops all three services.\n",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
