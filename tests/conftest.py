@@ -1,0 +1,101 @@
+"""Shared fixtures: a tiny random model pair, and the whole stack started as real processes
+on loopback ports through `specserve up`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU through the interpreter; must be set before triton.jit runs.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from specserve.testing import save_pair  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Stack:
+    url: str
+    draft_address: str
+    verify_address: str
+    target_dir: Path
+    draft_dir: Path
+    process: subprocess.Popen
+
+
+def wait_until_healthy(url: str, process: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the stack exited with code {process.returncode} during start-up")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
+
+
+def start_stack(target_dir: Path, draft_dir: Path) -> Stack:
+    port, draft_port, verify_port = free_port(), free_port(), free_port()
+    command = [
+        sys.executable, "-m", "specserve.cli", "up", "--port", str(port), "--draft-port", str(draft_port),
+        "--verify-port", str(verify_port), "--target", str(target_dir), "--draft", str(draft_dir), "--device", "cpu",
+    ]  # fmt: skip
+    # One torch thread per service: three processes share two cores, and tiny models gain
+    # nothing from intra-op threads but lose to their spinning.
+    env = {
+        **os.environ,
+        "SPECSERVE_LOG_LEVEL": "WARNING",
+        "SPECSERVE_VERIFY_THREADS": "1",
+        "SPECSERVE_DRAFT_THREADS": "1",
+    }
+    process = subprocess.Popen(command, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, process)
+    except BaseException:
+        stop_process(process)
+        raise
+    return Stack(url, f"127.0.0.1:{draft_port}", f"127.0.0.1:{verify_port}", target_dir, draft_dir, process)
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float = 30) -> int:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A random target (2 layers) and a draft made of its first layer: they agree on the
+    argmax about 60% of the time, so drafts are both accepted and rejected."""
+    return save_pair(tmp_path_factory.mktemp("tiny_pair"))
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_pair) -> Stack:
+    running = start_stack(*tiny_pair)
+    yield running
+    stop_process(running.process)

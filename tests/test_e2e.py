@@ -1,0 +1,212 @@
+"""End to end through real processes: `specserve up` on loopback ports, real HTTP clients."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+from scipy import stats
+from transformers import AutoModelForCausalLM
+
+from tests.conftest import free_port
+
+PROMPTS = [
+    (72, 101, 108, 108, 111),
+    (100, 101, 102, 32, 102, 40),
+    (10, 32, 32, 32, 32),
+    (1, 2, 3, 4, 5, 6, 7, 8),
+    (200,),
+]
+
+
+def complete(url: str, **body) -> dict:
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def token_ids(url: str, prompt, **body) -> list[int]:
+    return complete(url, prompt=list(prompt), return_token_ids=True, **body)["choices"][0]["token_ids"]
+
+
+def target_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([list(prompt)]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=256
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_speculative_equals_target_only_and_transformers(stack):
+    def run(args):
+        prompt, method, k = args
+        return token_ids(stack.url, prompt, max_tokens=40, temperature=0,
+                         speculation={"method": method, "num_speculative_tokens": k})  # fmt: skip
+
+    jobs = [
+        (prompt, method, k) for prompt in PROMPTS for method, k in (("draft_model", 4), ("draft_model", 2), ("none", 1))
+    ]
+    with ThreadPoolExecutor(len(jobs)) as pool:  # all at once: sessions share batches
+        results = dict(zip(jobs, pool.map(run, jobs)))
+    model = AutoModelForCausalLM.from_pretrained(stack.target_dir).eval()
+    for prompt in PROMPTS:
+        reference = results[(prompt, "none", 1)]
+        assert len(reference) == 40 or reference[-1] == 256
+        assert results[(prompt, "draft_model", 4)] == reference
+        assert results[(prompt, "draft_model", 2)] == reference
+        assert reference == target_greedy(model, prompt, 40)
+
+
+def test_speculation_usage_is_reported_and_drafts_are_accepted(stack):
+    body = complete(stack.url, prompt=list(PROMPTS[1]), max_tokens=48, temperature=0,
+                    speculation={"num_speculative_tokens": 4})  # fmt: skip
+    usage = body["usage"]
+    speculation = usage["speculation"]
+    assert usage["completion_tokens"] == 48 and usage["prompt_tokens"] == len(PROMPTS[1])
+    assert speculation["num_drafts"] >= 1
+    assert 0 < speculation["num_accepted_tokens"] < speculation["num_draft_tokens"]
+    # Every round emits accepted drafts + 1 token; the first token comes from the prefill.
+    rounds_tokens = usage["completion_tokens"] - 1
+    assert rounds_tokens >= speculation["num_accepted_tokens"] + speculation["num_drafts"] - 1
+    mean_accepted_length = (speculation["num_accepted_tokens"] + speculation["num_drafts"]) / speculation["num_drafts"]
+    assert mean_accepted_length >= 1.3  # a floor: the half-agreeing draft must be kept often
+
+
+def _target_first_two_token_distributions(target_dir, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact p(t1 | prompt) and the marginal p(t2) = sum_t1 p(t1) p(t2 | prompt, t1)."""
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    with torch.no_grad():
+        first = model(torch.tensor([prompt])).logits[0, -1].double().softmax(-1)  # [vocab]
+        vocab = first.shape[0]
+        extended = torch.cat([torch.tensor(prompt).expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
+        second = model(extended).logits[:, -1].double().softmax(-1)  # [vocab (t1), vocab (t2)]
+    return first, first @ second
+
+
+def _chi_square(observed: list[int], expected_probs: torch.Tensor) -> float:
+    counts = torch.bincount(torch.tensor(observed), minlength=expected_probs.shape[0]).double()
+    expected = expected_probs * counts.sum()
+    order = torch.argsort(expected, descending=True)
+    big = order[expected[order] >= 5]  # pool the rare tokens into one bin
+    rest = order[expected[order] < 5]
+    observed_bins = torch.cat([counts[big], counts[rest].sum()[None]])
+    expected_bins = torch.cat([expected[big], expected[rest].sum()[None]])
+    return stats.chisquare(observed_bins.numpy(), expected_bins.numpy()).pvalue
+
+
+def test_sampled_tokens_follow_the_target_distribution(stack):
+    """1200 seeded requests at temperature 1: the first token (prefill) and the second (a
+    verify round with K = 2 from a draft that often disagrees) follow the target exactly."""
+    prompt = list(PROMPTS[0])
+
+    def run(seed):
+        return token_ids(stack.url, prompt, max_tokens=4, temperature=1.0, seed=seed,
+                         speculation={"num_speculative_tokens": 3})  # fmt: skip
+
+    with ThreadPoolExecutor(16) as pool:
+        outputs = list(pool.map(run, range(1200)))
+    first, second = _target_first_two_token_distributions(stack.target_dir, prompt)
+    assert _chi_square([o[0] for o in outputs], first) > 1e-3
+    assert _chi_square([o[1] for o in outputs], second) > 1e-3
+    # The same test has the power to tell the target's second-token marginal from its first.
+    assert _chi_square([o[1] for o in outputs], first) < 1e-3
+
+
+def test_seeded_request_is_reproducible_whatever_shares_its_batch(stack):
+    body = {"max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    alone = token_ids(stack.url, PROMPTS[2], **body)
+    with ThreadPoolExecutor(6) as pool:
+        noise = [pool.submit(token_ids, stack.url, PROMPTS[i % 4], max_tokens=24, temperature=1.0) for i in range(5)]
+        crowded = token_ids(stack.url, PROMPTS[2], **body)
+        [future.result() for future in noise]
+    assert crowded == alone
+    assert token_ids(stack.url, PROMPTS[2], **{**body, "seed": 4321}) != alone
+
+
+def test_openai_client_streams_completion_and_chat(stack):
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    full = client.completions.create(model=model, prompt="def add(a, b):", max_tokens=24, temperature=0)
+    chunks = list(client.completions.create(model=model, prompt="def add(a, b):", max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.model_extra["speculation"]["num_drafts"] >= 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    messages = [{"role": "user", "content": "Write a loop."}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+    stream = list(
+        client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0, stream=True)
+    )
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
+    assert chat.usage.completion_tokens == 16
+
+
+def test_stop_string_truncates_output(stack):
+    text = complete(stack.url, prompt="abc", max_tokens=30, temperature=0)["choices"][0]["text"]
+    stop = text[5:7]
+    assert stop and text.find(stop) == 5, "pick a stop string that first occurs at offset 5"
+    stopped = complete(stack.url, prompt="abc", max_tokens=30, temperature=0, stop=[stop])["choices"][0]
+    assert stopped["text"] == text[:5] and stopped["finish_reason"] == "stop"
+
+
+BAD_REQUESTS = [
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ({"prompt": [-1]}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "x", "speculation": {"num_speculative_tokens": 0}}, 400, "speculation.num_speculative_tokens"),
+    ({"prompt": "x", "speculation": {"num_speculative_tokens": 1000}}, 400, "speculation.num_speculative_tokens"),
+    ({"prompt": "x", "speculation": {"method": "bogus"}}, 400, "speculation.method"),
+    ({"prompt": "x", "model": "no-such-model"}, 404, "model"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD_REQUESTS)
+def test_bad_input_gets_its_4xx_in_openai_shape(stack, body, status, param):
+    reply = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+
+
+def test_bad_chat_and_malformed_json_then_still_serving(stack):
+    assert httpx.post(f"{stack.url}/v1/chat/completions", json={"messages": []}, timeout=30).status_code == 400
+    reply = httpx.post(
+        f"{stack.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert reply.status_code == 400 and "error" in reply.json()
+    assert httpx.get(f"{stack.url}/health").status_code == 200
+    assert complete(stack.url, prompt="ok", max_tokens=3)["usage"]["completion_tokens"] == 3
+
+
+def test_models_and_health(stack):
+    models = httpx.get(f"{stack.url}/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "target"
+    assert httpx.get(f"{stack.url}/health").json() == {"status": "ok"}
+
+
+def test_mismatched_pair_is_refused_at_start_up(tmp_path):
+    from specserve.testing import save_pair
+
+    target_dir, draft_dir = save_pair(tmp_path, mismatched=True)
+    command = [sys.executable, "-m", "specserve.cli", "up", "--port", str(free_port()), "--draft-port", str(free_port()),
+               "--verify-port", str(free_port()), "--target", str(target_dir), "--draft", str(draft_dir)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert result.returncode != 0
+    assert "different vocabularies" in result.stderr

@@ -1,0 +1,172 @@
+"""The verify and draft services through their generated stubs, as a user would call them."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
+
+GREEDY = common_pb2.SamplingParams(temperature=0)
+SAMPLED = common_pb2.SamplingParams(temperature=1.0, seed=7)
+
+
+@pytest.fixture(scope="module")
+def verify(stack):
+    with grpc.insecure_channel(stack.verify_address) as channel:
+        yield verify_pb2_grpc.VerifyServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def draft(stack):
+    with grpc.insecure_channel(stack.draft_address) as channel:
+        yield draft_pb2_grpc.DraftServiceStub(channel)
+
+
+def prefill(verify, session_id: str, tokens=(72, 101, 108), sampling=GREEDY) -> verify_pb2.PrefillResponse:
+    return verify.Prefill(verify_pb2.PrefillRequest(session_id=session_id, token_ids=tokens, sampling=sampling))
+
+
+def status_of(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    return caught.value
+
+
+def test_prefill_verify_release_round_trip(verify, draft):
+    first = prefill(verify, "round-trip")
+    assert first.num_verified == 4
+    sequence = [72, 101, 108, first.next_token_id]
+    stream = draft.Draft(iter([draft_pb2.DraftRequest(session_id="round-trip", tokens=sequence, num_verified=4,
+                                                      num_speculative_tokens=3, sampling=GREEDY)]))  # fmt: skip
+    proposal = next(stream)
+    assert proposal.num_verified == 4 and len(proposal.draft_token_ids) == 3 and not proposal.draft_distributions
+    reply = verify.Verify(verify_pb2.VerifyRequest(session_id="round-trip", num_verified=4,
+                                                   draft_token_ids=proposal.draft_token_ids))  # fmt: skip
+    assert 0 <= reply.num_accepted <= 3 and reply.num_verified == 4 + reply.num_accepted + 1
+    assert reply.batch_size >= 1
+    verify.Release(verify_pb2.ReleaseRequest(session_id="round-trip"))
+    verify.Release(verify_pb2.ReleaseRequest(session_id="round-trip"))  # releasing twice is harmless
+
+
+def test_sampled_proposals_carry_exact_sparse_distributions(draft):
+    request = draft_pb2.DraftRequest(session_id="sparse", tokens=[1, 2, 3], num_verified=3,
+                                     num_speculative_tokens=4, sampling=SAMPLED)  # fmt: skip
+    proposal = next(draft.Draft(iter([request])))
+    assert len(proposal.draft_distributions) == 4
+    for token, distribution in zip(proposal.draft_token_ids, proposal.draft_distributions):
+        assert 1 <= len(distribution.token_ids) <= 32  # the default support size
+        assert abs(sum(distribution.probs) - 1) < 1e-5
+        assert token in distribution.token_ids
+
+
+def test_out_of_step_caller_gets_failed_precondition_with_the_session_length(verify):
+    prefill(verify, "stale")
+    error = status_of(lambda: verify.Verify(verify_pb2.VerifyRequest(session_id="stale", num_verified=9)))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert dict(error.trailing_metadata())["specserve-num-verified"] == "4"
+    error = status_of(lambda: verify.Verify(verify_pb2.VerifyRequest(session_id="never-made", num_verified=1)))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert dict(error.trailing_metadata())["specserve-num-verified"] == "0"
+    # The session is untouched: a correct call still works.
+    assert verify.Verify(verify_pb2.VerifyRequest(session_id="stale", num_verified=4)).num_verified == 5
+
+
+BAD_DISTRIBUTIONS = [
+    common_pb2.SparseDistribution(token_ids=[5, 6], probs=[0.5]),  # lengths differ
+    common_pb2.SparseDistribution(token_ids=[5, 6], probs=[0.9, 0.3]),  # not normalised
+    common_pb2.SparseDistribution(token_ids=[5, 6], probs=[float("nan"), 1.0]),
+    common_pb2.SparseDistribution(token_ids=[5, 6], probs=[-0.5, 1.5]),
+    common_pb2.SparseDistribution(token_ids=[5, 5], probs=[0.5, 0.5]),  # repeated id
+    common_pb2.SparseDistribution(token_ids=[5, 99999], probs=[0.5, 0.5]),  # outside the vocabulary
+    common_pb2.SparseDistribution(token_ids=[6, 7], probs=[0.5, 0.5]),  # the draft token 5 has no mass
+]
+
+
+@pytest.mark.parametrize("distribution", BAD_DISTRIBUTIONS)
+def test_bad_draft_distributions_are_invalid_and_change_nothing(verify, distribution):
+    session = f"bad-{BAD_DISTRIBUTIONS.index(distribution)}"
+    prefill(verify, session, sampling=SAMPLED)
+    request = verify_pb2.VerifyRequest(session_id=session, num_verified=4, draft_token_ids=[5],
+                                       draft_distributions=[distribution], sampling=SAMPLED)  # fmt: skip
+    assert status_of(lambda: verify.Verify(request)).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert verify.Verify(verify_pb2.VerifyRequest(session_id=session, num_verified=4)).num_verified == 5
+    verify.Release(verify_pb2.ReleaseRequest(session_id=session))
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        verify_pb2.PrefillRequest(session_id="p", token_ids=[]),
+        verify_pb2.PrefillRequest(session_id="p", token_ids=[300000]),
+        verify_pb2.PrefillRequest(session_id="p", token_ids=list(range(200)) * 3),  # beyond the 512 window
+        verify_pb2.PrefillRequest(session_id="", token_ids=[1]),
+        verify_pb2.PrefillRequest(session_id="p", token_ids=[1], sampling=common_pb2.SamplingParams(temperature=-1)),
+        verify_pb2.PrefillRequest(session_id="p", token_ids=[1], sampling=common_pb2.SamplingParams(top_p=2)),
+    ],
+)
+def test_bad_prefill_is_invalid_argument(verify, request_):
+    assert status_of(lambda: verify.Prefill(request_)).code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_too_many_drafts_and_greedy_distributions_are_refused(verify):
+    prefill(verify, "limits")
+    too_many = verify_pb2.VerifyRequest(session_id="limits", num_verified=4, draft_token_ids=[1] * 17)
+    assert status_of(lambda: verify.Verify(too_many)).code() == grpc.StatusCode.INVALID_ARGUMENT
+    greedy_with_q = verify_pb2.VerifyRequest(session_id="limits", num_verified=4, draft_token_ids=[5],
+        draft_distributions=[common_pb2.SparseDistribution(token_ids=[5], probs=[1.0])])  # fmt: skip
+    assert status_of(lambda: verify.Verify(greedy_with_q)).code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_bad_draft_requests_end_the_stream_with_a_status(draft):
+    bad = [
+        draft_pb2.DraftRequest(session_id="d", tokens=[1], num_verified=1, num_speculative_tokens=0),
+        draft_pb2.DraftRequest(session_id="d", tokens=[1], num_verified=1, num_speculative_tokens=99),
+        draft_pb2.DraftRequest(session_id="d", tokens=[999999], num_verified=1, num_speculative_tokens=2),
+    ]
+    for request in bad:
+        assert status_of(lambda r=request: next(draft.Draft(iter([r])))).code() == grpc.StatusCode.INVALID_ARGUMENT
+    skipped = draft_pb2.DraftRequest(session_id="d", tokens=[1, 2], num_verified=5, num_speculative_tokens=2)
+    assert status_of(lambda: next(draft.Draft(iter([skipped])))).code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_concurrent_verify_calls_share_a_kernel_call(verify):
+    sessions = [f"batch-{i}" for i in range(12)]
+    for session in sessions:
+        prefill(verify, session, tokens=(1, 2, 3, 4))
+
+    def call(session):
+        return verify.Verify(verify_pb2.VerifyRequest(session_id=session, num_verified=5, draft_token_ids=[7, 8, 9]))
+
+    with ThreadPoolExecutor(len(sessions)) as pool:
+        replies = list(pool.map(call, sessions))
+    assert max(reply.batch_size for reply in replies) > 1
+    assert len({(r.num_accepted, r.next_token_id) for r in replies}) == 1  # same input, same answer
+
+
+def test_health_and_reflection(stack):
+    for address, service in ((stack.verify_address, "specserve.v1.VerifyService"),
+                             (stack.draft_address, "specserve.v1.DraftService")):  # fmt: skip
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for name in ("", service):
+                reply = health.Check(health_pb2.HealthCheckRequest(service=name))
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+            answer = next(
+                reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            )
+            names = {s.name for s in answer.list_services_response.service}
+            assert {service, "grpc.health.v1.Health"} <= names
+
+
+def test_model_info_of_both_services_agree(verify, draft):
+    target_info = verify.GetModelInfo(common_pb2.ModelInfoRequest())
+    draft_info = draft.GetModelInfo(common_pb2.ModelInfoRequest())
+    assert target_info.vocab_size == 257 and target_info.max_context_length == 512
+    assert target_info.tokenizer_fingerprint == draft_info.tokenizer_fingerprint
+    assert list(target_info.eos_token_ids) == [256]
