@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         from specserve.protogen import main as gen_protos
 
         return gen_protos(argv[1:])
+    if argv and argv[0] == "bench":
+        from specserve.bench import main as bench
+
+        return bench(argv[1:])
     if argv and argv[0] == "train-demo":
         from specserve.train_demo import main as train_demo
 
@@ -58,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         commands.add_parser(name, help=f"run only the {name} service (`specserve {name} --help`)", add_help=False)
     commands.add_parser("gen-protos", help="regenerate the gRPC stubs from protos/ (--check to verify)", add_help=False)
     commands.add_parser("train-demo", help="train the embedded demo model pair", add_help=False)
+    commands.add_parser("bench", help="speculative vs target-only through a running gateway", add_help=False)
     return parser
 
 
