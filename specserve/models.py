@@ -1,5 +1,5 @@
-"""Loading Hugging Face causal LMs from local directories, and running them with a
-per-session KV cache (transformers' own forward; the engine issue adds a faster runner)."""
+"""Loading Hugging Face causal LMs from local directories into a backend: our runner for
+the Llama family, transformers for the rest."""
 
 from __future__ import annotations
 
@@ -12,12 +12,16 @@ from pathlib import Path
 
 import torch
 
+from specserve.backends import Backend, RunnerBackend, TransformersBackend
+
 log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "runner", "transformers")
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: torch.nn.Module
+    backend: Backend
     tokenizer: object
     name: str
     vocab_size: int
@@ -47,69 +51,86 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def load_for_service(config) -> LoadedModel:
-    """Loads config.model as a service config asks (device, dtype, threads, served name)."""
+    """Loads config.model as a service config asks (device, dtype, threads, backend, slots)."""
     from specserve.config import resolve_device, resolve_dtype
 
     device = resolve_device(config.device)
     if config.threads:
         torch.set_num_threads(config.threads)
     return load_model(
-        config.model, device, resolve_dtype(config.dtype, device), getattr(config, "served_model_name", "")
+        config.model,
+        device,
+        resolve_dtype(config.dtype, device),
+        name=getattr(config, "served_model_name", ""),
+        backend=config.backend,
+        num_slots=config.max_sessions,
+        max_model_len=config.max_model_len,
     )
 
 
-def load_model(path: str, device: torch.device, dtype: torch.dtype, name: str = "") -> LoadedModel:
-    from transformers import AutoModelForCausalLM
+def load_model(
+    path: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    name: str = "",
+    backend: str = "auto",
+    num_slots: int = 16,
+    max_model_len: int = 4096,
+) -> LoadedModel:
+    from transformers import AutoConfig
 
     directory = check_model_dir(path)
     started = time.perf_counter()
     tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, local_files_only=True)
-    model = model.to(device).eval()
-    config = model.config.get_text_config()
-    log.info("loaded %s (%s, %s) in %.1f s", directory, device, dtype, time.perf_counter() - started)
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    loaded_backend = _load_backend(directory, config, device, dtype, backend, num_slots, max_model_len)
+    log.info(
+        "loaded %s with the %s backend (%s, %s) in %.1f s",
+        directory, loaded_backend.name, device, dtype, time.perf_counter() - started,
+    )  # fmt: skip
     return LoadedModel(
-        model=model,
+        backend=loaded_backend,
         tokenizer=tokenizer,
         name=name or directory.resolve().name,
-        vocab_size=model.get_output_embeddings().weight.shape[0],
-        max_context_length=int(getattr(config, "max_position_embeddings", 2048)),
-        eos_token_ids=_eos_token_ids(model, tokenizer),
+        vocab_size=loaded_backend.vocab_size,
+        max_context_length=loaded_backend.max_context_length,
+        eos_token_ids=_eos_token_ids(directory, config, tokenizer),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         device=device,
     )
 
 
-def _eos_token_ids(model, tokenizer) -> tuple[int, ...]:
+def _load_backend(directory: Path, config, device, dtype, backend: str, num_slots: int, max_model_len: int) -> Backend:
+    from specserve.runner import LlamaRunner, UnsupportedModel
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if backend in ("auto", "runner"):
+        try:
+            return RunnerBackend(LlamaRunner(str(directory), device, dtype, num_slots, max_model_len))
+        except UnsupportedModel as error:
+            if backend == "runner":
+                raise
+            log.warning("the runner cannot serve %s (%s); falling back to transformers", directory, error)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, local_files_only=True).to(device).eval()
+    text_config = config.get_text_config()
+    max_len = min(int(getattr(text_config, "max_position_embeddings", max_model_len)), max_model_len)
+    return TransformersBackend(model, device, max_len, num_slots)
+
+
+def _eos_token_ids(directory: Path, config, tokenizer) -> tuple[int, ...]:
     ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+    sources = [config, tokenizer]
+    if (directory / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        sources.insert(0, GenerationConfig.from_pretrained(str(directory)))
+    for source in sources:
         value = getattr(source, "eos_token_id", None)
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return tuple(sorted(ids))
-
-
-class CachedSequence:
-    """One session's KV cache in transformers' DynamicCache; rolled back by cropping."""
-
-    def __init__(self, loaded: LoadedModel):
-        from transformers import DynamicCache
-
-        self._loaded = loaded
-        self.cache = DynamicCache()
-        self.length = 0  # tokens whose keys and values are in the cache
-
-    @torch.inference_mode()
-    def extend(self, token_ids: list[int]) -> torch.Tensor:
-        """Appends token_ids to the cache; returns their logits [len(token_ids), vocab] float32."""
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self._loaded.device)  # [1, n]
-        out = self._loaded.model(input_ids=ids, cache=self.cache, use_cache=True)
-        self.length += len(token_ids)
-        return out.logits[0].float()
-
-    def truncate(self, length: int) -> None:
-        if length < self.length:
-            self.cache.crop(length - self.length)  # a negative count removes that many
-            self.length = length

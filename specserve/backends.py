@@ -1,0 +1,151 @@
+"""Model backends with one interface: our Llama-family runner, or transformers as the
+fallback for architectures the runner does not know (chosen automatically and logged).
+
+A KVSequence is one session's place in a backend's KV cache. forward() appends tokens to
+several sequences in one call and returns the logits of each row's last tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specserve.errors import ResourceExhausted
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KVSequence:
+    slot: int  # the runner's cache slot (-1 for the transformers backend)
+    length: int = 0  # tokens whose keys and values are in the cache
+    hf_cache: object = field(default=None, repr=False)
+
+    def truncate(self, length: int) -> None:
+        """Rollback: forgets everything past length (the runner overwrites it next time)."""
+        if length < self.length:
+            if self.hf_cache is not None:
+                self.hf_cache.crop(length - self.length)  # transformers takes a negative count
+            self.length = length
+
+
+@dataclass(frozen=True)
+class ForwardRow:
+    sequence: KVSequence
+    tokens: list[int]
+    num_logits: int  # logits wanted for the last num_logits tokens
+
+
+class Backend(Protocol):
+    name: str
+    vocab_size: int
+    max_context_length: int
+
+    def open(self) -> KVSequence: ...
+
+    def close(self, sequence: KVSequence) -> None: ...
+
+    def forward(self, rows: list[ForwardRow]) -> list[torch.Tensor]: ...
+
+
+class RunnerBackend:
+    name = "runner"
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.vocab_size = runner.spec.vocab_size
+        self.max_context_length = runner.max_len
+
+    def open(self) -> KVSequence:
+        slot = self.runner.allocate()
+        if slot is None:
+            raise ResourceExhausted(f"all {self.runner.num_slots} KV-cache slots are in use")
+        return KVSequence(slot)
+
+    def close(self, sequence: KVSequence) -> None:
+        if sequence.slot >= 0:
+            self.runner.release(sequence.slot)
+            sequence.slot = -1
+
+    def forward(self, rows: list[ForwardRow]) -> list[torch.Tensor]:
+        logits = self.runner.forward(
+            [row.sequence.slot for row in rows],
+            [row.sequence.length for row in rows],
+            [row.tokens for row in rows],
+            [row.num_logits for row in rows],
+        )
+        for row in rows:
+            row.sequence.length += len(row.tokens)
+        return logits
+
+
+class TransformersBackend:
+    """transformers' own forward with a DynamicCache per sequence, one row at a time."""
+
+    name = "transformers"
+
+    def __init__(self, model, device: torch.device, max_context_length: int, max_sequences: int):
+        self.model = model
+        self.device = device
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_context_length = max_context_length
+        self._max_sequences = max_sequences
+        self._open = 0
+
+    def open(self) -> KVSequence:
+        from transformers import DynamicCache
+
+        if self._open >= self._max_sequences:
+            raise ResourceExhausted(f"all {self._max_sequences} sequences are in use")
+        self._open += 1
+        return KVSequence(-1, 0, DynamicCache())
+
+    def close(self, sequence: KVSequence) -> None:
+        if sequence.hf_cache is not None:
+            self._open -= 1
+            sequence.hf_cache = None
+
+    @torch.inference_mode()
+    def forward(self, rows: list[ForwardRow]) -> list[torch.Tensor]:
+        out = []
+        for row in rows:
+            ids = torch.tensor([row.tokens], dtype=torch.long, device=self.device)  # [1, n]
+            logits = self.model(input_ids=ids, cache=row.sequence.hf_cache, use_cache=True).logits[0]
+            row.sequence.length += len(row.tokens)
+            out.append(logits[-row.num_logits :].float())
+        return out
+
+
+def forward_in_budget(backend: Backend, rows: list[ForwardRow], max_batched_tokens: int) -> list[torch.Tensor]:
+    """Runs rows in as few forwards as keep each under max_batched_tokens; a row longer than
+    the budget (a long prompt) is prefilled alone in chunks."""
+    results: list[torch.Tensor | None] = [None] * len(rows)
+    group: list[int] = []
+    group_tokens = 0
+    for index, row in enumerate(rows):
+        if len(row.tokens) > max_batched_tokens:
+            results[index] = _chunked(backend, row, max_batched_tokens)
+            continue
+        if group and group_tokens + len(row.tokens) > max_batched_tokens:
+            _run_group(backend, rows, group, results)
+            group, group_tokens = [], 0
+        group.append(index)
+        group_tokens += len(row.tokens)
+    if group:
+        _run_group(backend, rows, group, results)
+    return results  # type: ignore[return-value]
+
+
+def _run_group(backend: Backend, rows: list[ForwardRow], group: list[int], results: list) -> None:
+    for index, logits in zip(group, backend.forward([rows[i] for i in group])):
+        results[index] = logits
+
+
+def _chunked(backend: Backend, row: ForwardRow, chunk: int) -> torch.Tensor:
+    for start in range(0, len(row.tokens) - chunk, chunk):
+        backend.forward([ForwardRow(row.sequence, row.tokens[start : start + chunk], 1)])
+    tail = row.tokens[(len(row.tokens) - 1) // chunk * chunk :]
+    return backend.forward([ForwardRow(row.sequence, tail, min(row.num_logits, len(tail)))])[0]

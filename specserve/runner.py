@@ -1,0 +1,314 @@
+"""Our own runner for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, the demo pair),
+loading Hugging Face config.json + safetensors directly.
+
+One forward serves a ragged batch: each row appends its own number of tokens at its own
+position in its own KV-cache slot (a prefill chunk, a verify of K + 1, a decode of 1), so
+concurrent sessions share every weight read. Rolling a row back is setting its length:
+what lies past it is overwritten by the next forward and masked until then.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class UnsupportedModel(Exception):
+    """The checkpoint is not one the runner knows; the transformers backend serves it."""
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """The architecture facts the forward needs, read from a Hugging Face config."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_positions: int
+    tie_word_embeddings: bool
+    qk_norm: bool  # Qwen3 normalises each head's q and k before RoPE
+    sliding_window: int | None
+
+    @classmethod
+    def from_config(cls, config) -> RunnerSpec:
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModel(f"model_type {config.model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedModel(f"activation {config.hidden_act!r} (the runner implements SwiGLU with silu)")
+        window = getattr(config, "sliding_window", None)
+        if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+            window = None
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            rms_norm_eps=config.rms_norm_eps,
+            max_positions=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qk_norm=config.model_type == "qwen3",
+            sliding_window=window,
+        )
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: q, k, v fused in one matmul
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [hidden, heads * head_dim]
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate and up fused
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [hidden, intermediate]
+    down_bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _BatchLayout:
+    """Index tensors of one ragged forward, shared by every layer. T = total new tokens."""
+
+    slots: torch.Tensor  # [batch] cache slot of each row
+    token_slots: torch.Tensor  # [T]
+    token_positions: torch.Tensor  # [T]
+    pad_index: torch.Tensor  # [T] index of each token in the padded [batch * n_max] layout
+    n_max: int
+    kv_len: int  # keys to read per row: max over rows of start + n
+    mask: torch.Tensor | None  # [batch, 1, n_max, kv_len] bool, True = may attend; None = no mask needed
+
+
+def load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (directory / name).is_file():
+            raise UnsupportedModel(f"{directory} has no {name} (the runner reads safetensors only)")
+        weights.update(load_file(str(directory / name)))
+    return weights
+
+
+class LlamaRunner:
+    def __init__(self, directory: str, device: torch.device, dtype: torch.dtype, num_slots: int, max_len: int):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        self.spec = RunnerSpec.from_config(config)
+        self.device, self.dtype = device, dtype
+        self.max_len = min(max_len, self.spec.max_positions)
+        self.inv_freq, self.rope_scaling = _rope_parameters(config, device)
+        weights = load_safetensors(Path(directory))
+        self._load(weights)
+        shape = (num_slots, self.max_len, self.spec.num_kv_heads, self.spec.head_dim)
+        # Uninitialised: a slot is zeroed when handed out (allocate), so on the CPU only the
+        # slots ever used commit memory.
+        self.k_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.spec.num_layers)]
+        self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.spec.num_layers)]
+        self.num_slots = num_slots
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+
+    def allocate(self) -> int | None:
+        """A free cache slot, zeroed, or None when all are taken."""
+        if not self._free_slots:
+            return None
+        slot = self._free_slots.pop()
+        # Rows of a batch read keys up to the longest row; a shorter row's unwritten positions
+        # are masked, but a masked 0 weight times a NaN of uninitialised memory is still NaN.
+        for cache in (*self.k_cache, *self.v_cache):
+            cache[slot].zero_()
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free_slots.append(slot)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def _load(self, weights: dict[str, torch.Tensor]) -> None:
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise UnsupportedModel(f"checkpoint lacks {name}")
+            return weights[name].to(device=self.device, dtype=self.dtype)
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return take(name) if name in weights else None
+
+        def fused(*names: str) -> torch.Tensor | None:
+            parts = [maybe(n) for n in names]
+            if all(p is None for p in parts):
+                return None
+            if any(p is None for p in parts):
+                raise UnsupportedModel(f"checkpoint has only some of {', '.join(names)}")
+            return torch.cat(parts, dim=0).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        self.norm = take("model.norm.weight")
+        self.lm_head = (
+            self.embed if self.spec.tie_word_embeddings and "lm_head.weight" not in weights else take("lm_head.weight")
+        )
+        self.layers = []
+        for i in range(self.spec.num_layers):
+            p = f"model.layers.{i}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            self.layers.append(
+                _Layer(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=fused(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                    qkv_bias=fused(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
+                    o=take(attn + "o_proj.weight"),
+                    o_bias=maybe(attn + "o_proj.bias"),
+                    q_norm=maybe(attn + "q_norm.weight"),
+                    k_norm=maybe(attn + "k_norm.weight"),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=fused(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                    gate_up_bias=fused(mlp + "gate_proj.bias", mlp + "up_proj.bias"),
+                    down=take(mlp + "down_proj.weight"),
+                    down_bias=maybe(mlp + "down_proj.bias"),
+                )
+            )
+        if self.spec.qk_norm and self.layers[0].q_norm is None:
+            raise UnsupportedModel("a qwen3 checkpoint without q_norm weights")
+
+    @torch.inference_mode()
+    def forward(
+        self, slots: list[int], starts: list[int], tokens: list[list[int]], num_logits: list[int]
+    ) -> list[torch.Tensor]:
+        """Row b appends tokens[b] to slot slots[b] at positions starts[b]..; returns per row the
+        logits of its last num_logits[b] tokens: [num_logits[b], vocab] float32."""
+        counts = [len(t) for t in tokens]
+        assert all(n > 0 for n in counts), "every row appends at least one token"
+        assert all(s + n <= self.max_len for s, n in zip(starts, counts)), "a row runs past its cache slot"
+        layout = self._layout(slots, starts, counts)
+        ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=self.device)  # [T]
+        x = self.embed[ids]  # [T, hidden]
+        cos, sin = self._rope(layout.token_positions)  # [T, head_dim]
+        for index, layer in enumerate(self.layers):
+            x = x + self._attention(
+                index, layer, _rms_norm(x, layer.input_norm, self.spec.rms_norm_eps), cos, sin, layout
+            )
+            x = x + self._mlp(layer, _rms_norm(x, layer.post_norm, self.spec.rms_norm_eps))
+        ends = torch.tensor(counts, device=self.device).cumsum(0)
+        picked = torch.cat([torch.arange(int(e) - k, int(e), device=self.device) for e, k in zip(ends, num_logits)])
+        hidden = _rms_norm(x[picked], self.norm, self.spec.rms_norm_eps)  # [sum(num_logits), hidden]
+        logits = F.linear(hidden, self.lm_head).float()  # [sum(num_logits), vocab]
+        return list(logits.split(num_logits))
+
+    def _layout(self, slots: list[int], starts: list[int], counts: list[int]) -> _BatchLayout:
+        device = self.device
+        batch, n_max = len(counts), max(counts)
+        kv_len = max(s + n for s, n in zip(starts, counts))
+        starts_t = torch.tensor(starts, device=device)
+        counts_t = torch.tensor(counts, device=device)
+        rows = torch.repeat_interleave(torch.arange(batch, device=device), counts_t)  # [T]
+        local = torch.arange(len(rows), device=device) - torch.repeat_interleave(
+            counts_t.cumsum(0) - counts_t, counts_t
+        )
+        slots_t = torch.tensor(slots, device=device)
+        mask = None
+        if n_max > 1 or batch > 1 or self.spec.sliding_window is not None:
+            query_pos = starts_t[:, None] + torch.arange(n_max, device=device)[None, :]  # [batch, n_max]
+            key_pos = torch.arange(kv_len, device=device)
+            allowed = key_pos[None, None, :] <= query_pos[:, :, None]  # causal, offset per row
+            if self.spec.sliding_window is not None:
+                allowed &= key_pos[None, None, :] > query_pos[:, :, None] - self.spec.sliding_window
+            padding = torch.arange(n_max, device=device)[None, :] >= counts_t[:, None]  # [batch, n_max]
+            allowed[padding] = key_pos == 0  # padded queries attend somewhere (their output is dropped)
+            mask = allowed[:, None]  # [batch, 1, n_max, kv_len]
+        return _BatchLayout(
+            slots=slots_t,
+            token_slots=slots_t[rows],
+            token_positions=starts_t[rows] + local,
+            pad_index=rows * n_max + local,
+            n_max=n_max,
+            kv_len=kv_len,
+            mask=mask,
+        )
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, head_dim / 2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.rope_scaling).to(self.dtype), (emb.sin() * self.rope_scaling).to(self.dtype)
+
+    def _attention(self, index: int, layer: _Layer, h: torch.Tensor, cos, sin, layout: _BatchLayout) -> torch.Tensor:
+        spec = self.spec
+        heads, kv_heads, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, (heads + 2 kv_heads) d]
+        q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        q, k, v = q.view(-1, heads, d), k.view(-1, kv_heads, d), v.view(-1, kv_heads, d)
+        if layer.q_norm is not None:
+            q, k = _rms_norm(q, layer.q_norm, spec.rms_norm_eps), _rms_norm(k, layer.k_norm, spec.rms_norm_eps)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        k_cache, v_cache = self.k_cache[index], self.v_cache[index]  # [slots, max_len, kv_heads, d]
+        k_cache[layout.token_slots, layout.token_positions] = k  # writes the new keys
+        v_cache[layout.token_slots, layout.token_positions] = v
+        batch = layout.slots.shape[0]
+        keys = k_cache[layout.slots, : layout.kv_len].transpose(1, 2)  # [batch, kv_heads, kv_len, d]
+        values = v_cache[layout.slots, : layout.kv_len].transpose(1, 2)
+        padded = q.new_zeros(batch * layout.n_max, heads, d)
+        padded[layout.pad_index] = q
+        queries = padded.view(batch, layout.n_max, heads, d).transpose(1, 2)  # [batch, heads, n_max, d]
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=layout.mask, scale=1 / math.sqrt(d), enable_gqa=heads != kv_heads
+        )  # [batch, heads, n_max, d]
+        out = out.transpose(1, 2).reshape(batch * layout.n_max, heads * d)[layout.pad_index]  # [T, heads d]
+        return F.linear(out, layer.o, layer.o_bias)
+
+    def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d] rotated by per-token cos/sin [T, d] (the rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def _rope_parameters(config, device: torch.device) -> tuple[torch.Tensor, float]:
+    """inv_freq [head_dim / 2] and the cos/sin scale, computed by transformers' own RoPE
+    initialisers so every rope_type it knows (llama3, linear, yarn, ...) is exact."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    parameters = getattr(config, "rope_parameters", None) or {}
+    rope_type = parameters.get("rope_type", "default")
+    if rope_type == "default":
+        base = parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq.to(device), 1.0
+    if rope_type == "dynamic":
+        raise UnsupportedModel("dynamic RoPE scaling changes with sequence length; served by transformers")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+    return inv_freq.to(device=device, dtype=torch.float), float(scaling)

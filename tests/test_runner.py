@@ -1,0 +1,117 @@
+"""Our Llama-family runner against transformers: logits, greedy generations, batching."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from specserve.backends import RunnerBackend, TransformersBackend
+from specserve.models import load_model
+from specserve.runner import LlamaRunner
+from specserve.testing import byte_tokenizer
+
+CPU = torch.device("cpu")
+COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+CONFIGS = {
+    "llama3": lambda: LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE),
+    "llama-tied-bias": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    "mistral-sliding": lambda: MistralConfig(**COMMON, sliding_window=8),
+    "qwen2": lambda: Qwen2Config(**COMMON),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=24),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model_dir(request, tmp_path_factory):
+    torch.manual_seed(len(request.param))
+    model = AutoModelForCausalLM.from_config(CONFIGS[request.param]()).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)  # peaked distributions make greedy comparisons meaningful
+    directory = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def reference_logits(model_dir, tokens: list[int]) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]  # [len, vocab]
+
+
+def test_logits_match_for_prefill_verify_decode_and_after_rollback(model_dir):
+    runner = LlamaRunner(str(model_dir), CPU, torch.float32, num_slots=4, max_len=256)
+    slots = [runner.allocate() for _ in range(3)]
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(0, 300, (40,), generator=generator).tolist() for _ in range(3)]
+    references = [reference_logits(model_dir, s) for s in sequences]
+
+    cuts = [20, 7, 33]  # ragged prefill of three rows in one forward
+    out = runner.forward(slots, [0, 0, 0], [s[:c] for s, c in zip(sequences, cuts)], cuts)
+    for logits, reference, cut in zip(out, references, cuts):
+        torch.testing.assert_close(logits, reference[:cut], atol=1e-4, rtol=0)
+
+    # Verify-shaped (K + 1 = 5) and decode-shaped (1) rows together.
+    out = runner.forward(slots, cuts, [sequences[0][20:25], sequences[1][7:8], sequences[2][33:38]], [5, 1, 5])
+    torch.testing.assert_close(out[0], references[0][20:25], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[1], references[1][7:8], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[2], references[2][33:38], atol=1e-4, rtol=0)
+
+    # Rollback: row 0 returns to 22 tokens and continues differently.
+    other = sequences[0][:22] + torch.randint(0, 300, (6,), generator=generator).tolist()
+    out = runner.forward([slots[0]], [22], [other[22:]], [6])
+    torch.testing.assert_close(out[0], reference_logits(model_dir, other)[22:], atol=1e-4, rtol=0)
+
+
+def greedy_with_runner(runner: LlamaRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy decoding of all prompts together, one batched decode step per token."""
+    slots = [runner.allocate() for _ in prompts]
+    logits = runner.forward(slots, [0] * len(prompts), prompts, [1] * len(prompts))
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for _ in range(steps):
+        tokens = [int(row[-1].argmax()) for row in logits]
+        for output, token in zip(outputs, tokens):
+            output.append(token)
+        positions = [len(p) + len(o) - 1 for p, o in zip(prompts, outputs)]
+        logits = runner.forward(slots, positions, [[t] for t in tokens], [1] * len(prompts))
+    for slot in slots:
+        runner.release(slot)
+    return outputs
+
+
+def test_greedy_generation_matches_transformers_and_batching_changes_nothing(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    runner = LlamaRunner(str(model_dir), CPU, torch.float32, num_slots=4, max_len=256)
+    prompts = [[5, 6, 7], [100, 3, 9, 200, 41, 17, 2], [250]]
+    batched = greedy_with_runner(runner, prompts, steps=30)
+    for prompt, tokens in zip(prompts, batched):
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None)
+        assert tokens == expected[0, len(prompt) :].tolist()
+        assert greedy_with_runner(runner, [prompt], steps=30) == [tokens]  # alone == in a batch
+
+
+def test_auto_backend_picks_the_runner_and_falls_back_to_transformers(model_dir, tmp_path, caplog):
+    assert isinstance(load_model(str(model_dir), CPU, torch.float32).backend, RunnerBackend)
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    byte_tokenizer().save_pretrained(tmp_path / "gpt2")
+    with caplog.at_level(logging.WARNING):
+        loaded = load_model(str(tmp_path / "gpt2"), CPU, torch.float32)
+    assert isinstance(loaded.backend, TransformersBackend)
+    assert "falling back to transformers" in caplog.text
+    assert loaded.max_context_length == 64
+
+
+def test_slots_run_out_and_come_back(model_dir):
+    runner = LlamaRunner(str(model_dir), CPU, torch.float32, num_slots=2, max_len=64)
+    first, second = runner.allocate(), runner.allocate()
+    assert runner.allocate() is None and runner.free_slots == 0
+    runner.release(first)
+    assert runner.allocate() == first and second is not None
