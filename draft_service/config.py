@@ -18,6 +18,11 @@ class DraftConfig:
     max_sessions: int = field(256, "most concurrent sessions (streams); beyond it RESOURCE_EXHAUSTED")
     max_batch: int = field(64, "most draft requests processed in one batch")
     max_wait_ms: float = field(0.0, "how long a lone request waits for others to share its batch")
+    backend: str = field(
+        "auto", "model backend: auto (our runner for the Llama family, else transformers), runner, transformers"
+    )
+    max_model_len: int = field(4096, "longest sequence served (capped by the model's own limit); sizes the KV cache")
+    max_batched_tokens: int = field(2048, "most tokens in one forward; longer prompts are prefilled in chunks")
     threads: int = field(0, "torch CPU threads for the model (0: torch's default)")
     max_workers: int = field(300, "gRPC worker threads (each open stream holds one)")
     grace_s: float = field(10.0, "on SIGTERM, how long in-flight streams may take to finish")
@@ -30,6 +35,12 @@ class DraftConfig:
         check(self.max_sessions >= 1, "max_sessions must be >= 1")
         check(self.max_batch >= 1, "max_batch must be >= 1")
         check(self.max_wait_ms >= 0, "max_wait_ms must be >= 0")
+        check(
+            self.backend in ("auto", "runner", "transformers"),
+            f"backend must be auto, runner or transformers, got {self.backend!r}",
+        )
+        check(self.max_model_len >= 2, "max_model_len must be >= 2")
+        check(self.max_batched_tokens >= 1, "max_batched_tokens must be >= 1")
         check(self.threads >= 0, "threads must be >= 0")
         check(self.max_workers > self.max_sessions, "max_workers must exceed max_sessions: each stream holds a thread")
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_service.config import DraftConfig
-from specserve.errors import FailedPrecondition, RequestError, ResourceExhausted, require
-from specserve.models import CachedSequence, LoadedModel
+from specserve.backends import ForwardRow, KVSequence, forward_in_budget
+from specserve.errors import FailedPrecondition, RequestError, require
+from specserve.models import LoadedModel
 from specserve.protocol import SparseDistribution, check_token_ids
 from specserve.sampling import SamplingParams, processed_probs, sample_sparse, truncate_to_support
 
@@ -28,7 +29,7 @@ class DraftSession:
     """Owned by one stream; only the batcher's worker thread touches its cache."""
 
     session_id: str
-    cache: CachedSequence
+    sequence: KVSequence
     verified: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the cache
 
@@ -49,54 +50,88 @@ class Proposal:
     draft_distributions: tuple[SparseDistribution, ...]
 
 
+@dataclass
+class _Drafting:
+    """One job's progress through a batch."""
+
+    job: DraftJob
+    verified: list[int]
+    k: int
+    drafts: list[int] = field(default_factory=list)
+    distributions: list[SparseDistribution] = field(default_factory=list)
+
+
 class Drafter:
     def __init__(self, loaded: LoadedModel, config: DraftConfig):
         self.loaded = loaded
+        self.backend = loaded.backend
         self.config = config
-        self._open_sessions = 0
-        self._lock = threading.Lock()  # open/close come from stream threads
+        self._lock = threading.Lock()  # open and close come from stream threads
 
     def open_session(self, session_id: str) -> DraftSession:
         with self._lock:
-            if self._open_sessions >= self.config.max_sessions:
-                raise ResourceExhausted(f"the draft service holds its maximum of {self.config.max_sessions} sessions")
-            self._open_sessions += 1
-        return DraftSession(session_id, CachedSequence(self.loaded))
+            return DraftSession(session_id, self.backend.open())  # raises ResourceExhausted when full
 
     def close_session(self, session: DraftSession) -> None:
         with self._lock:
-            self._open_sessions -= 1
+            self.backend.close(session.sequence)
 
     def step(self, jobs: list[DraftJob]) -> list[Proposal | BaseException]:
-        results: list[Proposal | BaseException] = []
-        for job in jobs:
+        """Drafts for every session of the batch together: one forward to catch up on the
+        verified tokens, then one forward per draft position over the rows still drafting."""
+        results: list[Proposal | BaseException | None] = [None] * len(jobs)
+        active: list[tuple[int, _Drafting]] = []
+        for index, job in enumerate(jobs):
             try:
-                results.append(self._propose(job))
+                active.append((index, self._start(job)))
             except Exception as error:  # noqa: BLE001 - one bad request must not fail its batch
                 if not isinstance(error, RequestError):
                     log.exception("drafting failed")
-                results.append(error)
-        return results
+                results[index] = error
+        try:
+            self._draft_all([drafting for _, drafting in active])
+        except BaseException:
+            for _, drafting in active:  # the caches may hold half a round: resync from scratch
+                drafting.job.session.cached_tokens = []
+                drafting.job.session.sequence.truncate(0)
+            raise
+        for index, drafting in active:
+            drafting.job.session.verified = drafting.verified
+            results[index] = Proposal(len(drafting.verified), tuple(drafting.drafts), tuple(drafting.distributions))
+        return results  # type: ignore[return-value]
 
-    def _propose(self, job: DraftJob) -> Proposal:
-        session = job.session
+    def _start(self, job: DraftJob) -> _Drafting:
         self._check(job)
-        verified = session.verified + list(job.tokens)
-        logits = self._catch_up(session, verified)  # [vocab]
+        verified = job.session.verified + list(job.tokens)
         room = self.loaded.max_context_length - len(verified)
-        k = max(0, min(job.num_speculative_tokens, room))
-        drafts: list[int] = []
-        distributions: list[SparseDistribution] = []
-        for i in range(k):
-            token, distribution = self._draw(logits, job.sampling, position=len(verified) + i)
-            drafts.append(token)
-            if distribution is not None:
-                distributions.append(distribution)
-            if i + 1 < k:
-                logits = session.cache.extend([token])[-1]
-                session.cached_tokens.append(token)
-        session.verified = verified
-        return Proposal(len(verified), tuple(drafts), tuple(distributions))
+        return _Drafting(job, verified, max(0, min(job.num_speculative_tokens, room)))
+
+    def _draft_all(self, batch: list[_Drafting]) -> None:
+        rows = [self._catch_up_row(d) for d in batch]
+        logits = [x[-1] for x in forward_in_budget(self.backend, rows, self.config.max_batched_tokens)]  # [vocab] each
+        for i in range(max((d.k for d in batch), default=0)):
+            for d, row_logits in zip(batch, logits):
+                if d.k > i:
+                    token, distribution = self._draw(row_logits, d.job.sampling, position=len(d.verified) + i)
+                    d.drafts.append(token)
+                    if distribution is not None:
+                        d.distributions.append(distribution)
+            continuing = [b for b, d in enumerate(batch) if i + 1 < d.k]
+            if not continuing:
+                return
+            feed = [ForwardRow(batch[b].job.session.sequence, [batch[b].drafts[-1]], 1) for b in continuing]
+            for b, new_logits in zip(continuing, self.backend.forward(feed)):
+                batch[b].job.session.cached_tokens.append(batch[b].drafts[-1])
+                logits[b] = new_logits[-1]
+
+    def _catch_up_row(self, d: _Drafting) -> ForwardRow:
+        """Crops the cache to its longest prefix still verified (accepted drafts stay) and
+        feeds the rest, ending with the last verified token, whose logits start the draft."""
+        session = d.job.session
+        keep = min(_common_prefix(session.cached_tokens, d.verified), len(d.verified) - 1)
+        session.sequence.truncate(keep)
+        session.cached_tokens = list(d.verified)
+        return ForwardRow(session.sequence, d.verified[keep:], 1)
 
     def _check(self, job: DraftJob) -> None:
         start = job.num_verified - len(job.tokens)
@@ -112,16 +147,6 @@ class Drafter:
         )
         check_token_ids(job.tokens, self.loaded.vocab_size, "tokens")
         require(job.num_verified <= self.loaded.max_context_length, "the sequence exceeds the draft's context window")
-
-    def _catch_up(self, session: DraftSession, verified: list[int]) -> torch.Tensor:
-        """Crops the cache to its longest prefix still verified (accepted drafts stay) and
-        feeds the rest; returns the logits after the last verified token."""
-        keep = _common_prefix(session.cached_tokens, verified)
-        keep = min(keep, len(verified) - 1)  # the last verified token must be fed for its logits
-        session.cache.truncate(keep)
-        logits = session.cache.extend(verified[keep:])[-1]
-        session.cached_tokens = list(verified)
-        return logits
 
     def _draw(
         self, logits: torch.Tensor, sampling: SamplingParams, position: int

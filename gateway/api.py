@@ -68,6 +68,7 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     speculation: Speculation | None = None
     return_token_ids: bool = False
+    return_timings: bool = False
     logprobs: bool | int | None = None
 
     def include_usage(self) -> bool:

@@ -167,11 +167,14 @@ class _Response:
         return body
 
 
-def _usage(plan: GenerationPlan, assembler: TextAssembler, stats: SpeculationStats) -> dict:
+def _usage(plan: GenerationPlan, assembler: TextAssembler, stats: SpeculationStats, timings: bool) -> dict:
     completion = len(assembler.token_ids)
     prompt = len(plan.prompt_token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "speculation": stats.as_dict()}  # fmt: skip
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "speculation": stats.as_dict()}  # fmt: skip
+    if timings:
+        usage["timings"] = stats.timings.as_dict()
+    return usage
 
 
 async def _respond(gateway: Gateway, request, plan: GenerationPlan, chat: bool):
@@ -186,7 +189,7 @@ async def _respond(gateway: Gateway, request, plan: GenerationPlan, chat: bool):
         await rounds.aclose()
         raise
     if request.stream:
-        events = _stream(rounds, first, assembler, response, plan, stats, request.include_usage())
+        events = _stream(rounds, first, assembler, response, plan, stats, request)
         return StreamingResponse(events, media_type="text/event-stream")
     try:
         text, delta = "", assembler.add(first)
@@ -197,7 +200,9 @@ async def _respond(gateway: Gateway, request, plan: GenerationPlan, chat: bool):
         pass
     finally:
         await rounds.aclose()
-    return response.full(text, assembler.token_ids, assembler.finish_reason, _usage(plan, assembler, stats))
+    return response.full(
+        text, assembler.token_ids, assembler.finish_reason, _usage(plan, assembler, stats, request.return_timings)
+    )
 
 
 async def _stream(
@@ -207,7 +212,7 @@ async def _stream(
     response: _Response,
     plan: GenerationPlan,
     stats: SpeculationStats,
-    include_usage: bool,
+    request,
 ) -> AsyncIterator[str]:
     try:
         tokens, is_first = first, True
@@ -222,8 +227,8 @@ async def _stream(
                 tokens = await rounds.__anext__()
             except StopAsyncIteration:
                 break
-        if include_usage:
-            yield _sse(response.usage_chunk(_usage(plan, assembler, stats)))
+        if request.include_usage():
+            yield _sse(response.usage_chunk(_usage(plan, assembler, stats, request.return_timings)))
     except grpc.aio.AioRpcError as error:
         log.warning("stream failed: %s: %s", error.code().name, error.details())
         status = _GRPC_TO_HTTP.get(error.code(), 500)

@@ -19,6 +19,11 @@ class VerifyConfig:
     max_support: int = field(1024, "largest sparse draft-distribution support accepted per position")
     max_batch: int = field(64, "most calls verified in one batch")
     max_wait_ms: float = field(1.0, "how long a lone call waits for others to share its batch")
+    backend: str = field(
+        "auto", "model backend: auto (our runner for the Llama family, else transformers), runner, transformers"
+    )
+    max_model_len: int = field(4096, "longest sequence served (capped by the model's own limit); sizes the KV cache")
+    max_batched_tokens: int = field(2048, "most tokens in one forward; longer prompts are prefilled in chunks")
     threads: int = field(0, "torch CPU threads for the model (0: torch's default)")
     max_workers: int = field(256, "gRPC worker threads (concurrent calls in flight)")
     grace_s: float = field(10.0, "on SIGTERM, how long in-flight calls may take to finish")
@@ -31,6 +36,12 @@ class VerifyConfig:
         check(self.max_support >= 1, "max_support must be >= 1")
         check(self.max_batch >= 1, "max_batch must be >= 1")
         check(self.max_wait_ms >= 0, "max_wait_ms must be >= 0")
+        check(
+            self.backend in ("auto", "runner", "transformers"),
+            f"backend must be auto, runner or transformers, got {self.backend!r}",
+        )
+        check(self.max_model_len >= 2, "max_model_len must be >= 2")
+        check(self.max_batched_tokens >= 1, "max_batched_tokens must be >= 1")
         check(self.threads >= 0, "threads must be >= 0")
         check(self.max_workers >= 4, "max_workers must be >= 4")
 

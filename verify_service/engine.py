@@ -15,14 +15,17 @@ All methods run on the batcher's single worker thread, so sessions need no locks
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from kernels import greedy_verify, rejection_sample
+from specserve.backends import ForwardRow, KVSequence, forward_in_budget
 from specserve.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, require
-from specserve.models import CachedSequence, LoadedModel
+from specserve.models import LoadedModel
 from specserve.protocol import SparseDistribution, check_token_ids
 from specserve.sampling import SamplingParams, processed_probs, verify_noise
 from verify_service.config import VerifyConfig
@@ -60,64 +63,92 @@ class Outcome:
     next_token_id: int
     num_verified: int
     batch_size: int
+    forward_seconds: float = 0.0
+    kernel_seconds: float = 0.0
 
 
 @dataclass
 class Session:
     tokens: list[int]  # the verified sequence; its last token is not yet in the cache
-    cache: CachedSequence
+    sequence: KVSequence
     sampling: SamplingParams
 
 
 @dataclass
 class _Row:
-    """One session's share of a batch, between the forward and the decision."""
+    """One session's share of a batch: what it feeds the forward, then its logits."""
 
     session_id: str
     session: Session
-    logits: torch.Tensor  # [num_draft + 1, vocab] float32
+    feed: list[int]  # tokens appended to the cache: the prompt, or [last verified, d_1..d_K]
     drafts: tuple[int, ...]
     distributions: tuple[SparseDistribution, ...]
     sampling: SamplingParams
     first_position: int  # sequence position of d_1 (or of the token after a prefill)
-    is_new: bool
+    is_new: bool  # a prefill that opened a new KV sequence
+    is_prefill: bool
+    logits: torch.Tensor | None = None  # [num_draft + 1, vocab] float32
     batch_size: int = field(default=1)
 
 
 class Verifier:
     def __init__(self, loaded: LoadedModel, config: VerifyConfig):
         self.loaded = loaded
+        self.backend = loaded.backend
         self.config = config
         self.sessions: dict[str, Session] = {}
 
     def step(self, jobs: list[Job]) -> list[Outcome | None | BaseException]:
-        """Processes one batch: per-session forwards, one kernel call per sampling mode."""
+        """Processes one batch: one forward for every session, one kernel call per sampling mode."""
         results: list[Outcome | None | BaseException] = [None] * len(jobs)
         rows: list[tuple[int, _Row]] = []
         claimed: set[str] = set()
         for index, job in enumerate(jobs):
             try:
                 if isinstance(job, ReleaseJob):
-                    self.sessions.pop(job.session_id, None)
+                    self._release(job.session_id)
                     continue
                 require(job.session_id not in claimed, "another call for this session is in the same batch")
-                rows.append((index, self._score(job, pending_new=sum(row.is_new for _, row in rows))))
+                rows.append((index, self._prepare(job)))
                 claimed.add(job.session_id)
             except Exception as error:  # noqa: BLE001 - one bad call must not fail its batch
                 if not isinstance(error, (InvalidArgument, FailedPrecondition, ResourceExhausted)):
-                    log.exception("scoring %s failed", type(job).__name__)
+                    log.exception("preparing %s failed", type(job).__name__)
                 results[index] = error
-        decisions = self._decide([row for _, row in rows])
+        if not rows:
+            return results
+        try:
+            started = time.perf_counter()
+            self._forward([row for _, row in rows])
+            forwarded = time.perf_counter()
+            decisions = self._decide([row for _, row in rows])
+            timing = {"forward_seconds": forwarded - started, "kernel_seconds": time.perf_counter() - forwarded}
+        except BaseException:
+            for _, row in rows:
+                if row.is_new:
+                    self.backend.close(row.session.sequence)
+                elif row.is_prefill:  # its reused cache now holds half of a new prompt
+                    self._release(row.session_id)
+            raise
         for (index, row), (num_accepted, next_token) in zip(rows, decisions):
-            results[index] = self._commit(row, num_accepted, next_token)
+            results[index] = dataclasses.replace(self._commit(row, num_accepted, next_token), **timing)
         return results
 
-    def _score(self, job: PrefillJob | VerifyJob, pending_new: int) -> _Row:
-        if isinstance(job, PrefillJob):
-            return self._score_prefill(job, pending_new)
-        return self._score_verify(job)
+    @property
+    def active_sessions(self) -> int:
+        return len(self.sessions)
 
-    def _score_prefill(self, job: PrefillJob, pending_new: int) -> _Row:
+    def _release(self, session_id: str) -> None:
+        session = self.sessions.pop(session_id, None)
+        if session is not None:
+            self.backend.close(session.sequence)
+
+    def _prepare(self, job: PrefillJob | VerifyJob) -> _Row:
+        if isinstance(job, PrefillJob):
+            return self._prepare_prefill(job)
+        return self._prepare_verify(job)
+
+    def _prepare_prefill(self, job: PrefillJob) -> _Row:
         require(bool(job.session_id), "session_id must not be empty")
         require(len(job.token_ids) >= 1, "token_ids must not be empty")
         require(
@@ -125,14 +156,18 @@ class Verifier:
             f"{len(job.token_ids)} tokens leave no room in the context window of {self.loaded.max_context_length}",
         )
         check_token_ids(job.token_ids, self.loaded.vocab_size, "token_ids")
-        is_new = job.session_id not in self.sessions
-        if is_new and len(self.sessions) + pending_new >= self.config.max_sessions:
-            raise ResourceExhausted(f"the verifier holds its maximum of {self.config.max_sessions} sessions")
-        session = Session(list(job.token_ids), CachedSequence(self.loaded), job.sampling)
-        logits = session.cache.extend(list(job.token_ids))[-1:]  # [1, vocab]
-        return _Row(job.session_id, session, logits, (), (), job.sampling, len(job.token_ids), is_new)
+        existing = self.sessions.get(job.session_id)
+        if existing is not None:  # a restart of the session reuses its cache slot
+            existing.sequence.truncate(0)
+            sequence, is_new = existing.sequence, False
+        else:
+            sequence, is_new = self.backend.open(), True  # raises ResourceExhausted when full
+        session = Session(list(job.token_ids), sequence, job.sampling)
+        return _Row(
+            job.session_id, session, list(job.token_ids), (), (), job.sampling, len(job.token_ids), is_new, True
+        )
 
-    def _score_verify(self, job: VerifyJob) -> _Row:
+    def _prepare_verify(self, job: VerifyJob) -> _Row:
         session = self.sessions.get(job.session_id)
         if session is None:
             raise FailedPrecondition(f"unknown session {job.session_id!r}; prefill it first", 0)
@@ -143,19 +178,24 @@ class Verifier:
             )
         sampling = job.sampling or session.sampling
         self._check_drafts(job, sampling)
-        cache = session.cache
-        cache.truncate(len(session.tokens) - 1)  # also undoes a forward whose batch failed
-        logits = cache.extend([session.tokens[-1], *job.draft_token_ids])  # [K + 1, vocab]
+        session.sequence.truncate(len(session.tokens) - 1)  # also undoes a forward whose batch failed
+        feed = [session.tokens[-1], *job.draft_token_ids]
         return _Row(
             job.session_id,
             session,
-            logits,
+            feed,
             job.draft_token_ids,
             job.draft_distributions,
             sampling,
             job.num_verified,
             False,
+            False,
         )
+
+    def _forward(self, rows: list[_Row]) -> None:
+        forward_rows = [ForwardRow(row.session.sequence, row.feed, len(row.drafts) + 1) for row in rows]
+        for row, logits in zip(rows, forward_in_budget(self.backend, forward_rows, self.config.max_batched_tokens)):
+            row.logits = logits
 
     def _check_drafts(self, job: VerifyJob, sampling: SamplingParams) -> None:
         k = len(job.draft_token_ids)
@@ -239,7 +279,7 @@ class Verifier:
         session = row.session
         session.tokens.extend(row.drafts[:num_accepted])
         session.tokens.append(next_token)
-        session.cache.truncate(len(session.tokens) - 1)
+        session.sequence.truncate(len(session.tokens) - 1)
         self.sessions[row.session_id] = session
         return Outcome(num_accepted, next_token, len(session.tokens), row.batch_size)
 

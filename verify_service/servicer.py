@@ -41,6 +41,8 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             num_verified=outcome.num_verified,
             batch_size=outcome.batch_size,
             server_seconds=time.perf_counter() - started,
+            forward_seconds=outcome.forward_seconds,
+            kernel_seconds=outcome.kernel_seconds,
         )
 
     def Release(self, request: verify_pb2.ReleaseRequest, context) -> verify_pb2.ReleaseResponse:

@@ -42,18 +42,22 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_verified: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "num_verified", "batch_size", "server_seconds")
+    __slots__ = ("num_accepted", "next_token_id", "num_verified", "batch_size", "server_seconds", "forward_seconds", "kernel_seconds")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     num_verified: int
     batch_size: int
     server_seconds: float
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., num_verified: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_seconds: _Optional[float] = ...) -> None: ...
+    forward_seconds: float
+    kernel_seconds: float
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., num_verified: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
