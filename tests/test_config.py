@@ -14,7 +14,7 @@ def test_flag_beats_environment_beats_default(monkeypatch):
     monkeypatch.setenv("SPECSERVE_VERIFY_MAX_SESSIONS", "12")
     monkeypatch.setenv("SPECSERVE_VERIFY_PORT", "6000")
     config = parse_config(VerifyConfig, "verify", ["--port", "7000", "--model", "/m"], "verify", "")
-    assert (config.port, config.max_sessions, config.max_wait_ms, config.model) == (7000, 12, 1.0, "/m")
+    assert (config.port, config.max_sessions, config.max_wait_ms, config.model) == (7000, 12, 0.0, "/m")
 
 
 def test_bad_values_are_usage_errors(monkeypatch, capsys):

@@ -18,7 +18,10 @@ class VerifyConfig:
     max_speculative_tokens: int = field(16, "largest K accepted per Verify call")
     max_support: int = field(1024, "largest sparse draft-distribution support accepted per position")
     max_batch: int = field(64, "most calls verified in one batch")
-    max_wait_ms: float = field(1.0, "how long a lone call waits for others to share its batch")
+    max_wait_ms: float = field(
+        0.0,
+        "how long a lone call waits for others to share its batch (calls that arrive during a batch join the next one anyway)",
+    )
     backend: str = field(
         "auto", "model backend: auto (our runner for the Llama family, else transformers), runner, transformers"
     )

@@ -1,0 +1,83 @@
+"""The engines in-process: slot admission, and batching that changes no result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft_service.config import DraftConfig
+from draft_service.engine import DraftJob, Drafter
+from specserve.errors import ResourceExhausted
+from specserve.models import load_model
+from specserve.sampling import SamplingParams
+from verify_service.config import VerifyConfig
+from verify_service.engine import PrefillJob, ReleaseJob, Verifier, VerifyJob
+
+CPU = torch.device("cpu")
+GREEDY = SamplingParams(temperature=0)
+
+
+def test_full_verifier_refuses_new_sessions_until_one_is_released(tiny_pair):
+    target_dir, _ = tiny_pair
+    verifier = Verifier(load_model(str(target_dir), CPU, torch.float32, num_slots=2), VerifyConfig(max_sessions=2))
+    assert all(not isinstance(r, Exception) for r in verifier.step([PrefillJob(s, (1, 2), GREEDY) for s in "ab"]))
+    [refused] = verifier.step([PrefillJob("c", (1, 2), GREEDY)])
+    assert isinstance(refused, ResourceExhausted)
+    assert not isinstance(verifier.step([PrefillJob("a", (3, 4), GREEDY)])[0], Exception)  # a restart reuses its slot
+    verifier.step([ReleaseJob("b")])
+    assert not isinstance(verifier.step([PrefillJob("c", (1, 2), GREEDY)])[0], Exception)
+
+
+def _verify_alone_and_together(verifier: Verifier, sampling: SamplingParams):
+    prompts = {"x": (5, 6, 7, 8), "y": (40, 41), "z": (99,) * 9}
+    drafts = {"x": (1, 2, 3), "y": (7,), "z": (8, 8, 8, 8, 8)}
+    for session, prompt in prompts.items():
+        verifier.step([PrefillJob(session, prompt, sampling)])
+    alone = {s: verifier.step([VerifyJob(s, len(p) + 1, drafts[s], (), None)])[0] for s, p in prompts.items()}
+    for session, prompt in prompts.items():  # the same sessions again, from scratch
+        verifier.step([PrefillJob(session, prompt, sampling)])
+    together = verifier.step([VerifyJob(s, len(p) + 1, drafts[s], (), None) for s, p in prompts.items()])
+    return alone, dict(zip(prompts, together))
+
+
+def test_batched_verification_equals_each_row_alone(tiny_pair):
+    target_dir, _ = tiny_pair
+    verifier = Verifier(load_model(str(target_dir), CPU, torch.float32), VerifyConfig())
+    alone, together = _verify_alone_and_together(verifier, GREEDY)
+    for session in alone:
+        assert (alone[session].num_accepted, alone[session].next_token_id) == (
+            together[session].num_accepted,
+            together[session].next_token_id,
+        )
+    assert together["x"].batch_size == 3 and alone["x"].batch_size == 1
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.9, seed=5)])
+def test_batched_drafting_equals_each_session_alone(tiny_pair, sampling):
+    _, draft_dir = tiny_pair
+    drafter = Drafter(load_model(str(draft_dir), CPU, torch.float32), DraftConfig())
+    prefixes = [(1, 2, 3), (9,) * 12, (200, 100)]
+    ks = [4, 2, 3]
+
+    def propose(indices):
+        sessions = {i: drafter.open_session(str(i)) for i in indices}
+        jobs = [DraftJob(sessions[i], prefixes[i], len(prefixes[i]), ks[i], sampling) for i in indices]
+        first = drafter.step(jobs)
+        # A second round: the first proposal's first draft was accepted, then a new token.
+        follow = [DraftJob(sessions[i], (p.draft_token_ids[0], 77), len(prefixes[i]) + 2, ks[i], sampling)
+                  for i, p in zip(indices, first)]  # fmt: skip
+        second = drafter.step(follow)
+        for session in sessions.values():
+            drafter.close_session(session)
+        return list(first + second)
+
+    alone = [propose([i]) for i in range(3)]
+    together = propose([0, 1, 2])
+    expected = [alone[0][0], alone[1][0], alone[2][0], alone[0][1], alone[1][1], alone[2][1]]
+    for got, want in zip(together, expected):
+        assert got.draft_token_ids == want.draft_token_ids
+        for q_got, q_want in zip(got.draft_distributions, want.draft_distributions, strict=True):
+            # Same support; probabilities equal up to float rounding (a batched matmul may
+            # sum in another order), which moves a draw only at a measure-zero boundary.
+            assert q_got.token_ids == q_want.token_ids
+            assert torch.allclose(torch.tensor(q_got.probs), torch.tensor(q_want.probs), atol=1e-5)
