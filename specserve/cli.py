@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         from specserve.bench import main as bench
 
         return bench(argv[1:])
+    if argv and argv[0] == "eval-demo":
+        from specserve.demo_eval import main as eval_demo
+
+        return eval_demo(argv[1:])
     if argv and argv[0] == "train-demo":
         from specserve.train_demo import main as train_demo
 
@@ -62,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         commands.add_parser(name, help=f"run only the {name} service (`specserve {name} --help`)", add_help=False)
     commands.add_parser("gen-protos", help="regenerate the gRPC stubs from protos/ (--check to verify)", add_help=False)
     commands.add_parser("train-demo", help="train the embedded demo model pair", add_help=False)
+    commands.add_parser("eval-demo", help="measure the demo pair's model-card figures", add_help=False)
     commands.add_parser("bench", help="speculative vs target-only through a running gateway", add_help=False)
     return parser
 

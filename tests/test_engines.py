@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from draft_service.config import DraftConfig
-from draft_service.engine import DraftJob, Drafter
+from draft_service.engine import Drafter, DraftJob
 from specserve.errors import ResourceExhausted
 from specserve.models import load_model
 from specserve.sampling import SamplingParams
