@@ -1,0 +1,67 @@
+"""Prompts drawn from the demo pair's held-out split (models/demo/heldout_files.txt: stdlib
+files the demo models never trained on), for benchmarks and the model card."""
+
+from __future__ import annotations
+
+import ast
+import sysconfig
+import textwrap
+from pathlib import Path
+
+from specserve.paths import DEMO_MODELS
+
+
+def heldout_sources(listing: Path = DEMO_MODELS / "heldout_files.txt") -> list[tuple[str, str]]:
+    """(relative path, source) of each held-out file, in the listing's order."""
+    if not listing.is_file():
+        raise FileNotFoundError(f"{listing} is missing: it comes with the demo models (specserve train-demo)")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    sources = []
+    for rel in listing.read_text().split():
+        path = root / rel
+        if path.is_file():
+            sources.append((rel, path.read_text(encoding="utf-8")))
+    if not sources:
+        raise FileNotFoundError(f"none of the files in {listing} exist under {root}")
+    return sources
+
+
+def code_completion_prompts(count: int, context_lines: int = 24) -> list[str]:
+    """count prompts, each the context_lines lines before a cut point inside a held-out file
+    (cut points spread evenly over each file, at line starts, never in the first lines)."""
+    sources = heldout_sources()
+    per_file = max(1, -(-count // len(sources)))
+    prompts: list[str] = []
+    for _, text in sources:
+        lines = text.splitlines(keepends=True)
+        if len(lines) <= context_lines + 8:
+            continue
+        for i in range(per_file):
+            cut = context_lines + (len(lines) - context_lines - 8) * (i + 1) // (per_file + 1)
+            prompts.append("".join(lines[cut - context_lines : cut]))
+    return _spread(prompts, count)
+
+
+def function_headers(count: int) -> list[str]:
+    """count function headers (decorators excluded, signature through its colon), dedented,
+    from the held-out files: the prompts of the model card's tokenize check."""
+    headers: list[str] = []
+    for _, text in heldout_sources():
+        lines = text.splitlines(keepends=True)
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+                header = "".join(lines[node.lineno - 1 : node.body[0].lineno - 1])
+                if header.rstrip().endswith(":"):
+                    headers.append(textwrap.dedent(header))
+    return _spread(headers, count)
+
+
+def _spread(items: list[str], count: int) -> list[str]:
+    """count items taken evenly across the list (all of them when there are fewer)."""
+    if len(items) <= count:
+        return items
+    return [items[i * len(items) // count] for i in range(count)]
