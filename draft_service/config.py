@@ -18,6 +18,9 @@ class DraftConfig:
     max_sessions: int = field(256, "most concurrent sessions (streams); beyond it RESOURCE_EXHAUSTED")
     max_batch: int = field(64, "most draft requests processed in one batch")
     max_wait_ms: float = field(0.0, "how long a lone request waits for others to share its batch")
+    matmul_dtype: str = field(
+        "auto", "dtype of the runner's weight matrices: auto (a float16 checkpoint stays float16 on CPU), or a dtype"
+    )
     backend: str = field(
         "auto", "model backend: auto (our runner for the Llama family, else transformers), runner, transformers"
     )
@@ -38,6 +41,9 @@ class DraftConfig:
         check(
             self.backend in ("auto", "runner", "transformers"),
             f"backend must be auto, runner or transformers, got {self.backend!r}",
+        )
+        check(
+            self.matmul_dtype in ("auto", "float32", "bfloat16", "float16"), f"bad matmul_dtype {self.matmul_dtype!r}"
         )
         check(self.max_model_len >= 2, "max_model_len must be >= 2")
         check(self.max_batched_tokens >= 1, "max_batched_tokens must be >= 1")

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from specserve.backends import Backend, RunnerBackend, TransformersBackend
+from specserve.config import resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def load_for_service(config) -> LoadedModel:
     """Loads config.model as a service config asks (device, dtype, threads, backend, slots)."""
-    from specserve.config import resolve_device, resolve_dtype
+    from specserve.config import resolve_device
 
     device = resolve_device(config.device)
     if config.threads:
@@ -65,6 +66,7 @@ def load_for_service(config) -> LoadedModel:
         backend=config.backend,
         num_slots=config.max_sessions,
         max_model_len=config.max_model_len,
+        matmul_dtype=config.matmul_dtype,
     )
 
 
@@ -76,6 +78,7 @@ def load_model(
     backend: str = "auto",
     num_slots: int = 16,
     max_model_len: int = 4096,
+    matmul_dtype: str = "auto",
 ) -> LoadedModel:
     from transformers import AutoConfig
 
@@ -83,10 +86,11 @@ def load_model(
     started = time.perf_counter()
     tokenizer = load_tokenizer(path)
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
-    loaded_backend = _load_backend(directory, config, device, dtype, backend, num_slots, max_model_len)
+    matmul = None if matmul_dtype == "auto" else resolve_dtype(matmul_dtype, device)
+    loaded_backend = _load_backend(directory, config, device, dtype, backend, num_slots, max_model_len, matmul)
     log.info(
-        "loaded %s with the %s backend (%s, %s) in %.1f s",
-        directory, loaded_backend.name, device, dtype, time.perf_counter() - started,
+        "loaded %s with the %s backend (%s, %s%s) in %.1f s",
+        directory, loaded_backend.name, device, dtype, _matmul_note(loaded_backend, dtype), time.perf_counter() - started,
     )  # fmt: skip
     return LoadedModel(
         backend=loaded_backend,
@@ -100,14 +104,23 @@ def load_model(
     )
 
 
-def _load_backend(directory: Path, config, device, dtype, backend: str, num_slots: int, max_model_len: int) -> Backend:
+def _matmul_note(backend: Backend, dtype: torch.dtype) -> str:
+    runner = getattr(backend, "runner", None)
+    if runner is None or runner.matmul_dtype == dtype:
+        return ""
+    return f", matrices in {runner.matmul_dtype}"
+
+
+def _load_backend(
+    directory: Path, config, device, dtype, backend: str, num_slots: int, max_model_len: int, matmul_dtype
+) -> Backend:
     from specserve.runner import LlamaRunner, UnsupportedModel
 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if backend in ("auto", "runner"):
         try:
-            return RunnerBackend(LlamaRunner(str(directory), device, dtype, num_slots, max_model_len))
+            return RunnerBackend(LlamaRunner(str(directory), device, dtype, num_slots, max_model_len, matmul_dtype))
         except UnsupportedModel as error:
             if backend == "runner":
                 raise

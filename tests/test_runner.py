@@ -115,3 +115,18 @@ def test_slots_run_out_and_come_back(model_dir):
     assert runner.allocate() is None and runner.free_slots == 0
     runner.release(first)
     assert runner.allocate() == first and second is not None
+
+
+def test_float16_checkpoint_keeps_float16_matrices_and_stays_close(tmp_path):
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON)).eval()
+    model.half().save_pretrained(tmp_path)  # weights exactly representable in float16
+    runner = LlamaRunner(str(tmp_path), CPU, torch.float32, num_slots=1, max_len=256)
+    assert runner.matmul_dtype == torch.float16 and runner.layers[0].input_norm.dtype == torch.float32
+    exact = LlamaRunner(str(tmp_path), CPU, torch.float32, num_slots=1, max_len=256, matmul_dtype=torch.float32)
+    tokens = list(range(3, 40))
+    half = runner.forward([runner.allocate()], [0], [tokens], [len(tokens)])[0]
+    full = exact.forward([exact.allocate()], [0], [tokens], [len(tokens)])[0]
+    torch.testing.assert_close(full, reference_logits(tmp_path, tokens), atol=1e-4, rtol=0)
+    assert (half - full).abs().max() < 1e-2 * full.abs().max()  # 16-bit matmul inputs and outputs
+    assert torch.equal(half.argmax(-1), full.argmax(-1))
