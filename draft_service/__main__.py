@@ -11,20 +11,27 @@ from specserve.batching import Batcher
 from specserve.config import parse_config
 from specserve.grpc_server import run_service
 from specserve.logs import setup_logging
+from specserve.metrics import ServiceMetrics
 from specserve.models import load_for_service
+from specserve.telemetry import setup_tracing
 from specserve.v1 import draft_pb2_grpc
 
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(DraftConfig, "draft", argv, "specserve draft", "Serve the draft model (DraftService).")
     setup_logging("draft")
+    tracing = setup_tracing("specserve-draft", config.trace_console, config.trace_sample_ratio)
     loaded = load_for_service(config)
-    drafter = Drafter(loaded, config)
+    metrics = ServiceMetrics("drafter")
+    metrics.serve(config.host, config.metrics_port)
+    drafter = Drafter(loaded, config, metrics)
     batcher = Batcher(drafter.step, config.max_batch, config.max_wait_ms / 1000, name="drafter")
-    servicer = DraftServicer(drafter, batcher, loaded, config)
+    servicer = DraftServicer(drafter, batcher, loaded, config, metrics)
     register = lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)  # noqa: E731
     run_service(SERVICE_NAME, register, config.address, config.max_workers, config.grace_s)
     batcher.close()
+    if tracing is not None:
+        tracing.shutdown()  # flushes spans still buffered
     return 0
 
 

@@ -2,12 +2,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.config import check, field
+from specserve.config import TracingOptions, check, field
 from specserve.paths import DEMO_DRAFT
 
 
 @dataclass(frozen=True)
-class DraftConfig:
+class DraftConfig(TracingOptions):
     model: str = field(str(DEMO_DRAFT), "directory of the draft model (Hugging Face format)")
     host: str = field("127.0.0.1", "address to listen on (0.0.0.0 for all interfaces)")
     port: int = field(50051, "gRPC port")
@@ -28,9 +28,11 @@ class DraftConfig:
     max_batched_tokens: int = field(2048, "most tokens in one forward; longer prompts are prefilled in chunks")
     threads: int = field(0, "torch CPU threads for the model (0: torch's default)")
     max_workers: int = field(300, "gRPC worker threads (each open stream holds one)")
+    metrics_port: int = field(9101, "port of the Prometheus /metrics endpoint (0: none)")
     grace_s: float = field(10.0, "on SIGTERM, how long in-flight streams may take to finish")
 
     def __post_init__(self) -> None:
+        self.check_tracing()
         check(bool(self.model), "model must name a directory")
         check(0 < self.port < 65536, f"port must lie in 1..65535, got {self.port}")
         check(self.support_size >= 1, "support_size must be >= 1")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from draft_service.config import DraftConfig
 from specserve.backends import ForwardRow, KVSequence, forward_in_budget
 from specserve.errors import FailedPrecondition, RequestError, require
+from specserve.metrics import ServiceMetrics
 from specserve.models import LoadedModel
 from specserve.protocol import SparseDistribution, check_token_ids
 from specserve.sampling import SamplingParams, processed_probs, sample_sparse, truncate_to_support
@@ -48,6 +50,9 @@ class Proposal:
     num_verified: int
     draft_token_ids: tuple[int, ...]
     draft_distributions: tuple[SparseDistribution, ...]
+    batch_size: int = 1
+    batch_started_ns: int = 0  # wall-clock (time.time_ns) start and end of the batch
+    batch_ended_ns: int = 0
 
 
 @dataclass
@@ -62,19 +67,28 @@ class _Drafting:
 
 
 class Drafter:
-    def __init__(self, loaded: LoadedModel, config: DraftConfig):
+    def __init__(self, loaded: LoadedModel, config: DraftConfig, metrics: ServiceMetrics | None = None):
         self.loaded = loaded
         self.backend = loaded.backend
         self.config = config
+        self.metrics = metrics
         self._lock = threading.Lock()  # open and close come from stream threads
 
     def open_session(self, session_id: str) -> DraftSession:
         with self._lock:
-            return DraftSession(session_id, self.backend.open())  # raises ResourceExhausted when full
+            session = DraftSession(session_id, self.backend.open())  # raises ResourceExhausted when full
+            self._observe_sessions()
+            return session
 
     def close_session(self, session: DraftSession) -> None:
         with self._lock:
             self.backend.close(session.sequence)
+            self._observe_sessions()
+
+    def _observe_sessions(self) -> None:
+        if self.metrics is not None:
+            self.metrics.active_sessions.set(self.backend.in_use)
+            self.metrics.kv_slots_in_use.set(self.backend.in_use)
 
     def step(self, jobs: list[DraftJob]) -> list[Proposal | BaseException]:
         """Drafts for every session of the batch together: one forward to catch up on the
@@ -88,6 +102,7 @@ class Drafter:
                 if not isinstance(error, RequestError):
                     log.exception("drafting failed")
                 results[index] = error
+        started = time.time_ns()
         try:
             self._draft_all([drafting for _, drafting in active])
         except BaseException:
@@ -95,9 +110,20 @@ class Drafter:
                 drafting.job.session.cached_tokens = []
                 drafting.job.session.sequence.truncate(0)
             raise
+        ended = time.time_ns()
         for index, drafting in active:
             drafting.job.session.verified = drafting.verified
-            results[index] = Proposal(len(drafting.verified), tuple(drafting.drafts), tuple(drafting.distributions))
+            results[index] = Proposal(
+                len(drafting.verified),
+                tuple(drafting.drafts),
+                tuple(drafting.distributions),
+                len(active),
+                started,
+                ended,
+            )
+        if self.metrics is not None and active:
+            self.metrics.batch_size.observe(len(active))
+            self.metrics.forward_seconds.observe((ended - started) / 1e9)
         return results  # type: ignore[return-value]
 
     def _start(self, job: DraftJob) -> _Drafting:

@@ -13,6 +13,7 @@ from gateway.config import GatewayConfig
 from specserve.config import parse_config
 from specserve.logs import setup_logging
 from specserve.models import load_tokenizer, tokenizer_fingerprint
+from specserve.telemetry import setup_tracing
 from specserve.v1 import draft_pb2_grpc, verify_pb2_grpc
 
 log = logging.getLogger("gateway")
@@ -21,6 +22,7 @@ log = logging.getLogger("gateway")
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(GatewayConfig, "gateway", argv, "specserve gateway", "Serve the OpenAI-compatible HTTP API.")
     setup_logging("gateway")
+    tracing = setup_tracing("specserve-gateway", config.trace_console, config.trace_sample_ratio)
     tokenizer = load_tokenizer(config.tokenizer)
     try:
         target = wait_for_model_info(config.verify_address, verify_pb2_grpc.VerifyServiceStub, config.startup_timeout_s)
@@ -33,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving %s (draft %s) on http://%s:%d", served.name, draft.model_name, config.host, config.port)
     app = create_app(config, served, tokenizer)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=10)
+    if tracing is not None:
+        tracing.shutdown()  # flushes spans still buffered
     return 0
 
 

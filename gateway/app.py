@@ -8,18 +8,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.api import ApiError, ChatCompletionRequest, CompletionRequest, bad_request, check_model, plan_for
 from gateway.backends import Backends, ServedModel
 from gateway.config import GatewayConfig
 from gateway.generation import GenerationPlan, SpeculationStats, generate
+from gateway.observe import RequestObserver
 from gateway.text import TextAssembler
+from specserve.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,8 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+UNTRACED_PATHS = ("/health", "/metrics")
 
 _GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -43,6 +47,7 @@ class Gateway:
     config: GatewayConfig
     served: ServedModel
     tokenizer: object
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     backends: Backends | None = None
 
     def plan(self, request, prompt_token_ids: list[int]) -> GenerationPlan:
@@ -77,7 +82,10 @@ def create_app(config: GatewayConfig, served: ServedModel, tokenizer) -> FastAPI
         yield
         await gateway.backends.close()
 
-    app = FastAPI(title="specserve gateway", lifespan=lifespan)
+    # FastAPI traces each HTTP request itself (the root span of a request's trace) once a
+    # tracer provider is set; health and metrics scrapes stay untraced.
+    telemetry = {"exclude": lambda scope: scope.get("path") in UNTRACED_PATHS, "operation_spans": False}
+    app = FastAPI(title="specserve gateway", lifespan=lifespan, telemetry=telemetry)
     app.state.gateway = gateway
     _add_error_handlers(app)
 
@@ -86,6 +94,10 @@ def create_app(config: GatewayConfig, served: ServedModel, tokenizer) -> FastAPI
         if await gateway.backends.ready():
             return {"status": "ok"}
         return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(gateway.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
@@ -177,64 +189,91 @@ def _usage(plan: GenerationPlan, assembler: TextAssembler, stats: SpeculationSta
     return usage
 
 
+@dataclass
+class _Run:
+    """One request's generation: its rounds, text, counters and observer."""
+
+    plan: GenerationPlan
+    rounds: AsyncIterator[list[int]]
+    assembler: TextAssembler
+    stats: SpeculationStats
+    observer: RequestObserver
+    response: _Response
+    timings: bool
+
+    def add(self, tokens: list[int]):
+        delta = self.assembler.add(tokens)
+        self.observer.on_tokens(len(delta.token_ids))
+        return delta
+
+    def usage(self) -> dict:
+        return _usage(self.plan, self.assembler, self.stats, self.timings)
+
+    async def close(self, error: BaseException | None = None) -> None:
+        await self.rounds.aclose()
+        self.observer.finish(len(self.assembler.token_ids), self.assembler.finish_reason, error)
+
+
 async def _respond(gateway: Gateway, request, plan: GenerationPlan, chat: bool):
-    stops = request.stop_strings()
-    assembler = TextAssembler(gateway.tokenizer, gateway.served.eos_token_ids, stops, plan.max_tokens)
     stats = SpeculationStats()
-    rounds = generate(gateway.backends, plan, stats)
-    response = _Response(chat, gateway.served.name, request.return_token_ids)
+    observer = RequestObserver(gateway.metrics, chat, gateway.served.name, plan)
+    run = _Run(
+        plan=plan,
+        rounds=generate(gateway.backends, plan, stats, observer.context, gateway.metrics),
+        assembler=TextAssembler(
+            gateway.tokenizer, gateway.served.eos_token_ids, request.stop_strings(), plan.max_tokens
+        ),
+        stats=stats,
+        observer=observer,
+        response=_Response(chat, gateway.served.name, request.return_token_ids),
+        timings=request.return_timings,
+    )
     try:
-        first = await rounds.__anext__()  # a failed prefill is still an HTTP error, not an event
-    except BaseException:
-        await rounds.aclose()
+        first = await run.rounds.__anext__()  # a failed prefill is still an HTTP error, not an event
+    except BaseException as error:
+        await run.close(error)
         raise
     if request.stream:
-        events = _stream(rounds, first, assembler, response, plan, stats, request)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return StreamingResponse(_stream(run, first, request.include_usage()), media_type="text/event-stream")
+    error = None
     try:
-        text, delta = "", assembler.add(first)
-        text += delta.text
-        while not assembler.finished:
-            text += assembler.add(await rounds.__anext__()).text
+        text = run.add(first).text
+        while not run.assembler.finished:
+            text += run.add(await run.rounds.__anext__()).text
     except StopAsyncIteration:
         pass
+    except BaseException as failure:
+        error = failure
+        raise
     finally:
-        await rounds.aclose()
-    return response.full(
-        text, assembler.token_ids, assembler.finish_reason, _usage(plan, assembler, stats, request.return_timings)
-    )
+        await run.close(error)
+    return run.response.full(text, run.assembler.token_ids, run.assembler.finish_reason, run.usage())
 
 
-async def _stream(
-    rounds: AsyncIterator[list[int]],
-    first: list[int],
-    assembler: TextAssembler,
-    response: _Response,
-    plan: GenerationPlan,
-    stats: SpeculationStats,
-    request,
-) -> AsyncIterator[str]:
+async def _stream(run: _Run, first: list[int], include_usage: bool) -> AsyncIterator[str]:
+    error = None
     try:
         tokens, is_first = first, True
         while True:
-            delta = assembler.add(tokens)
-            if delta.text or delta.finish_reason or is_first or (response.return_token_ids and delta.token_ids):
-                yield _sse(response.chunk(delta.text, delta.token_ids, delta.finish_reason, first=is_first))
+            delta = run.add(tokens)
+            if delta.text or delta.finish_reason or is_first or (run.response.return_token_ids and delta.token_ids):
+                yield _sse(run.response.chunk(delta.text, delta.token_ids, delta.finish_reason, first=is_first))
             is_first = False
-            if assembler.finished:
+            if run.assembler.finished:
                 break
             try:
-                tokens = await rounds.__anext__()
+                tokens = await run.rounds.__anext__()
             except StopAsyncIteration:
                 break
-        if request.include_usage():
-            yield _sse(response.usage_chunk(_usage(plan, assembler, stats, request.return_timings)))
-    except grpc.aio.AioRpcError as error:
-        log.warning("stream failed: %s: %s", error.code().name, error.details())
-        status = _GRPC_TO_HTTP.get(error.code(), 500)
-        yield _sse(ApiError(status, f"backend: {error.details()}", code=error.code().name.lower()).body())
+        if include_usage:
+            yield _sse(run.response.usage_chunk(run.usage()))
+    except grpc.aio.AioRpcError as failure:
+        error = failure
+        log.warning("stream failed: %s: %s", failure.code().name, failure.details())
+        status = _GRPC_TO_HTTP.get(failure.code(), 500)
+        yield _sse(ApiError(status, f"backend: {failure.details()}", code=failure.code().name.lower()).body())
     finally:
-        await rounds.aclose()
+        await run.close(error)
     yield "data: [DONE]\n\n"
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specserve.telemetry import grpc_aio_client_interceptors
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2_grpc
 
 
@@ -72,8 +73,8 @@ class Backends:
 
     def __init__(self, draft_address: str, verify_address: str, rpc_timeout_s: float):
         self.rpc_timeout_s = rpc_timeout_s
-        self._draft_channel = grpc.aio.insecure_channel(draft_address)
-        self._verify_channel = grpc.aio.insecure_channel(verify_address)
+        self._draft_channel = grpc.aio.insecure_channel(draft_address, interceptors=grpc_aio_client_interceptors())
+        self._verify_channel = grpc.aio.insecure_channel(verify_address, interceptors=grpc_aio_client_interceptors())
         self.draft = draft_pb2_grpc.DraftServiceStub(self._draft_channel)
         self.verify = verify_pb2_grpc.VerifyServiceStub(self._verify_channel)
         self._health = [
@@ -106,7 +107,7 @@ class DraftStream:
         self._sent = 0  # verified tokens the draft service has been told of
 
     async def propose(
-        self, sequence: list[int], k: int, sampling: common_pb2.SamplingParams
+        self, sequence: list[int], k: int, sampling: common_pb2.SamplingParams, trace_context: dict[str, str]
     ) -> draft_pb2.DraftResponse:
         if self._call is None:
             self._call = self._backends.draft.Draft(timeout=None)
@@ -117,6 +118,7 @@ class DraftStream:
             num_verified=len(sequence),
             num_speculative_tokens=k,
             sampling=sampling,
+            trace_context=trace_context,
         )
         await self._call.write(request)
         response = await asyncio.wait_for(self._call.read(), self._backends.rpc_timeout_s)

@@ -2,12 +2,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.config import check, field
+from specserve.config import TracingOptions, check, field
 from specserve.paths import DEMO_TARGET
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
+class GatewayConfig(TracingOptions):
     host: str = field("127.0.0.1", "address to listen on (0.0.0.0 for all interfaces)")
     port: int = field(8000, "HTTP port")
     draft_address: str = field("127.0.0.1:50051", "host:port of the draft service")
@@ -20,6 +20,7 @@ class GatewayConfig:
     rpc_timeout_s: float = field(60.0, "deadline of each call to a service")
 
     def __post_init__(self) -> None:
+        self.check_tracing()
         check(0 < self.port < 65536, f"port must lie in 1..65535, got {self.port}")
         check(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1")
         check(self.method in ("draft_model", "none"), f"method must be draft_model or none, got {self.method!r}")

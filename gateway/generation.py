@@ -14,9 +14,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
 
 from gateway.backends import Backends, DraftStream
+from specserve.metrics import GatewayMetrics
 from specserve.sampling import SamplingParams
+from specserve.telemetry import inject, tracer
 from specserve.v1 import verify_pb2
 
 log = logging.getLogger(__name__)
@@ -45,14 +49,6 @@ class RoundTimings:
     verify_kernel_seconds: float = 0.0
     batch_sizes: dict[int, int] = field(default_factory=dict)
 
-    def add_verify(self, seconds: float, response: verify_pb2.VerifyResponse) -> None:
-        self.rounds += 1
-        self.verify_seconds += seconds
-        self.verify_server_seconds += response.server_seconds
-        self.verify_forward_seconds += response.forward_seconds
-        self.verify_kernel_seconds += response.kernel_seconds
-        self.batch_sizes[response.batch_size] = self.batch_sizes.get(response.batch_size, 0) + 1
-
     def as_dict(self) -> dict:
         wire = (self.draft_seconds - self.draft_server_seconds) + (self.verify_seconds - self.verify_server_seconds)
         values = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "batch_sizes"}
@@ -76,28 +72,104 @@ class SpeculationStats:
         }
 
 
-async def generate(backends: Backends, plan: GenerationPlan, stats: SpeculationStats) -> AsyncIterator[list[int]]:
-    """Yields each round's new verified tokens; closing the iterator ends both sessions."""
+@dataclass(frozen=True)
+class Round:
+    """One round as the gateway saw it."""
+
+    new_tokens: list[int]
+    k: int  # draft tokens verified (0: a target-only round)
+    num_accepted: int
+    batch_size: int
+    draft_seconds: float
+    draft_server_seconds: float
+    verify_seconds: float
+    verify_server_seconds: float
+    verify_forward_seconds: float = 0.0
+    verify_kernel_seconds: float = 0.0
+
+    @property
+    def wire_seconds(self) -> float:
+        return (self.draft_seconds - self.draft_server_seconds) + (self.verify_seconds - self.verify_server_seconds)
+
+
+async def generate(
+    backends: Backends,
+    plan: GenerationPlan,
+    stats: SpeculationStats,
+    parent: Context | None = None,
+    metrics: GatewayMetrics | None = None,
+) -> AsyncIterator[list[int]]:
+    """Yields each round's new verified tokens; closing the iterator ends both sessions.
+    Spans (prefill, one per round) are children of parent; each round feeds metrics."""
     session_id = uuid.uuid4().hex
     sampling = plan.sampling.to_proto()
     sequence = list(plan.prompt_token_ids)
     drafter = DraftStream(backends, session_id) if plan.method == "draft_model" else None
     try:
-        first = await _prefill(backends, session_id, sequence, sampling)
+        with tracer().start_as_current_span("prefill", context=parent):
+            first = await _prefill(backends, session_id, sequence, sampling)
         sequence.append(first)
         yield [first]
         generated = 1
         while generated < plan.max_tokens:
             k = min(plan.num_speculative_tokens, plan.max_tokens - generated - 1) if drafter else 0
-            drafts, distributions = await _draft(drafter, sequence, k, sampling, stats) if k > 0 else ([], [])
-            new_tokens = await _verify(backends, session_id, sequence, drafts, distributions, sampling, stats)
-            sequence.extend(new_tokens)
-            generated += len(new_tokens)
-            yield new_tokens
+            with tracer().start_as_current_span("round", context=parent) as span:
+                round_ = await _round(backends, drafter, session_id, sequence, k, sampling)
+                span.set_attributes(_round_attributes(round_))
+            _account(round_, stats, metrics)
+            sequence.extend(round_.new_tokens)
+            generated += len(round_.new_tokens)
+            yield round_.new_tokens
     finally:
         if drafter is not None:
             await drafter.close()
         await _release(backends, session_id)
+
+
+async def _round(backends: Backends, drafter, session_id: str, sequence: list[int], k: int, sampling) -> Round:
+    drafts, distributions, draft_s, draft_server_s = [], [], 0.0, 0.0
+    if k > 0:
+        drafts, distributions, draft_s, draft_server_s = await _draft(drafter, sequence, k, sampling)
+    started = time.perf_counter()
+    response = await _verify(backends, session_id, sequence, drafts, distributions, sampling)
+    verify_s = time.perf_counter() - started
+    if response is None:  # the verifier lost the session: prefilled again, one token
+        new = [await _prefill(backends, session_id, sequence, sampling)]
+        return Round(new, 0, 0, 1, draft_s, draft_server_s, time.perf_counter() - started, 0.0)
+    new = [*drafts[: response.num_accepted], response.next_token_id]
+    return Round(new, len(drafts), response.num_accepted, response.batch_size, draft_s, draft_server_s, verify_s,
+                 response.server_seconds, response.forward_seconds, response.kernel_seconds)  # fmt: skip
+
+
+def _round_attributes(round_: Round) -> dict:
+    return {
+        "specserve.k": round_.k,
+        "specserve.num_accepted": round_.num_accepted,
+        "specserve.batch_size": round_.batch_size,
+        "specserve.draft_seconds": round_.draft_seconds,
+        "specserve.verify_seconds": round_.verify_seconds,
+        "specserve.wire_seconds": round_.wire_seconds,
+    }
+
+
+def _account(round_: Round, stats: SpeculationStats, metrics: GatewayMetrics | None) -> None:
+    timings = stats.timings
+    timings.rounds += 1
+    timings.draft_seconds += round_.draft_seconds
+    timings.draft_server_seconds += round_.draft_server_seconds
+    timings.verify_seconds += round_.verify_seconds
+    timings.verify_server_seconds += round_.verify_server_seconds
+    timings.verify_forward_seconds += round_.verify_forward_seconds
+    timings.verify_kernel_seconds += round_.verify_kernel_seconds
+    timings.batch_sizes[round_.batch_size] = timings.batch_sizes.get(round_.batch_size, 0) + 1
+    if round_.k:
+        stats.num_drafts += 1
+        stats.num_draft_tokens += round_.k
+        stats.num_accepted_tokens += round_.num_accepted
+    if metrics is not None:
+        metrics.observe_round(
+            round_.k, round_.num_accepted, round_.draft_seconds, round_.verify_seconds, round_.wire_seconds
+        )
 
 
 async def _prefill(backends: Backends, session_id: str, sequence: list[int], sampling) -> int:
@@ -106,30 +178,28 @@ async def _prefill(backends: Backends, session_id: str, sequence: list[int], sam
     return response.next_token_id
 
 
-async def _draft(
-    drafter: DraftStream, sequence: list[int], k: int, sampling, stats: SpeculationStats
-) -> tuple[list[int], list]:
+async def _draft(drafter: DraftStream, sequence: list[int], k: int, sampling) -> tuple[list[int], list, float, float]:
+    """(drafts, distributions, seconds as seen here, the service's own seconds); no drafts
+    (a target-only round) when the draft service fails."""
     started = time.perf_counter()
-    try:
-        response = await drafter.propose(sequence, k, sampling)
-    except (grpc.RpcError, RuntimeError, TimeoutError) as error:
-        log.warning("draft failed (%s); this round runs target-only", _describe(error))
-        drafter.reset()
-        return [], []
-    stats.timings.draft_seconds += time.perf_counter() - started
-    stats.timings.draft_server_seconds += response.draft_seconds
-    return list(response.draft_token_ids), list(response.draft_distributions)
+    attributes = {"rpc.system": "grpc", "rpc.service": "specserve.v1.DraftService", "rpc.method": "Draft"}
+    with tracer().start_as_current_span(
+        "specserve.v1.DraftService/Draft propose", kind=SpanKind.CLIENT, attributes=attributes
+    ):
+        try:
+            response = await drafter.propose(sequence, k, sampling, inject({}))
+        except (grpc.RpcError, RuntimeError, TimeoutError) as error:
+            log.warning("draft failed (%s); this round runs target-only", _describe(error))
+            drafter.reset()
+            return [], [], time.perf_counter() - started, 0.0
+    seconds = time.perf_counter() - started
+    return list(response.draft_token_ids), list(response.draft_distributions), seconds, response.draft_seconds
 
 
 async def _verify(
-    backends: Backends,
-    session_id: str,
-    sequence: list[int],
-    drafts: list[int],
-    distributions: list,
-    sampling,
-    stats: SpeculationStats,
-) -> list[int]:
+    backends: Backends, session_id: str, sequence: list[int], drafts: list[int], distributions: list, sampling
+) -> verify_pb2.VerifyResponse | None:
+    """The verifier's answer, or None when it no longer holds the session as we do."""
     request = verify_pb2.VerifyRequest(
         session_id=session_id,
         num_verified=len(sequence),
@@ -137,21 +207,13 @@ async def _verify(
         draft_distributions=distributions,
         sampling=sampling,
     )
-    started = time.perf_counter()
     try:
-        response = await backends.verify.Verify(request, timeout=backends.rpc_timeout_s)
+        return await backends.verify.Verify(request, timeout=backends.rpc_timeout_s)
     except grpc.aio.AioRpcError as error:
         if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
             raise
-        # The verifier lost or disagrees about the session: rebuild it from our sequence.
         log.warning("verifier session out of step (%s); prefilling again", error.details())
-        return [await _prefill(backends, session_id, sequence, sampling)]
-    stats.timings.add_verify(time.perf_counter() - started, response)
-    if drafts:
-        stats.num_drafts += 1
-        stats.num_draft_tokens += len(drafts)
-        stats.num_accepted_tokens += response.num_accepted
-    return [*drafts[: response.num_accepted], response.next_token_id]
+        return None
 
 
 async def _release(backends: Backends, session_id: str) -> None:

@@ -44,6 +44,9 @@ class Backend(Protocol):
     vocab_size: int
     max_context_length: int
 
+    @property
+    def in_use(self) -> int: ...
+
     def open(self) -> KVSequence: ...
 
     def close(self, sequence: KVSequence) -> None: ...
@@ -58,6 +61,10 @@ class RunnerBackend:
         self.runner = runner
         self.vocab_size = runner.spec.vocab_size
         self.max_context_length = runner.max_len
+
+    @property
+    def in_use(self) -> int:
+        return self.runner.num_slots - self.runner.free_slots
 
     def open(self) -> KVSequence:
         slot = self.runner.allocate()
@@ -94,6 +101,10 @@ class TransformersBackend:
         self.max_context_length = max_context_length
         self._max_sequences = max_sequences
         self._open = 0
+
+    @property
+    def in_use(self) -> int:
+        return self._open
 
     def open(self) -> KVSequence:
         from transformers import DynamicCache

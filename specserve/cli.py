@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         from specserve.bench import main as bench
 
         return bench(argv[1:])
+    if argv and argv[0] == "trace":
+        from specserve.trace_report import main as trace
+
+        return trace(argv[1:])
     if argv and argv[0] == "eval-demo":
         from specserve.demo_eval import main as eval_demo
 
@@ -56,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     up_parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default 8000)")
     up_parser.add_argument("--draft-port", type=int, default=50051, help="draft service port (default 50051)")
     up_parser.add_argument("--verify-port", type=int, default=50052, help="verify service port (default 50052)")
+    up_parser.add_argument("--draft-metrics-port", type=int, default=9101, help="draft /metrics port (default 9101)")
+    up_parser.add_argument("--verify-metrics-port", type=int, default=9102, help="verify /metrics port (default 9102)")
     up_parser.add_argument(
         "--target", default=str(DEMO_TARGET), help="target model directory (default: the demo target)"
     )
@@ -66,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
         commands.add_parser(name, help=f"run only the {name} service (`specserve {name} --help`)", add_help=False)
     commands.add_parser("gen-protos", help="regenerate the gRPC stubs from protos/ (--check to verify)", add_help=False)
     commands.add_parser("train-demo", help="train the embedded demo model pair", add_help=False)
+    commands.add_parser("trace", help="per-hop latency table and plots from a run's spans", add_help=False)
     commands.add_parser("eval-demo", help="measure the demo pair's model-card figures", add_help=False)
     commands.add_parser("bench", help="speculative vs target-only through a running gateway", add_help=False)
     return parser
@@ -74,8 +81,10 @@ def _parser() -> argparse.ArgumentParser:
 def _commands(args: argparse.Namespace) -> dict[str, list[str]]:
     python = [sys.executable, "-m"]
     return {
-        "verify": [*python, "verify_service", "--model", args.target, "--port", str(args.verify_port), "--device", args.device],
-        "draft": [*python, "draft_service", "--model", args.draft, "--port", str(args.draft_port), "--device", args.device],
+        "verify": [*python, "verify_service", "--model", args.target, "--port", str(args.verify_port), "--device", args.device,
+                   "--metrics-port", str(args.verify_metrics_port)],
+        "draft": [*python, "draft_service", "--model", args.draft, "--port", str(args.draft_port), "--device", args.device,
+                  "--metrics-port", str(args.draft_metrics_port)],
         "gateway": [
             *python, "gateway", "--host", args.host, "--port", str(args.port), "--tokenizer", args.target,
             "--draft-address", f"127.0.0.1:{args.draft_port}", "--verify-address", f"127.0.0.1:{args.verify_port}",

@@ -113,3 +113,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     check(dtype in names, f"dtype must be one of auto, {', '.join(names)}; got {dtype!r}")
     return names[dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class TracingOptions:
+    """Tracing fields every service config has (see specserve.telemetry)."""
+
+    trace_console: bool = field(
+        False, "print spans to stdout (OTLP export is on when OTEL_EXPORTER_OTLP_ENDPOINT is set)"
+    )
+    trace_sample_ratio: float = field(1.0, "fraction of traces recorded, decided once per request at the gateway")
+
+    def check_tracing(self) -> None:
+        check(0.0 <= self.trace_sample_ratio <= 1.0, "trace_sample_ratio must lie in [0, 1]")

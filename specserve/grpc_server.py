@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specserve.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted
+from specserve.telemetry import grpc_server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,8 @@ def _guard_stream(behavior: Callable, method: str) -> Callable:
 def make_server(max_workers: int) -> grpc.Server:
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-        interceptors=[ErrorInterceptor()],
+        # Tracing outermost, so a server span sees the status the error interceptor sets.
+        interceptors=[*grpc_server_interceptors(), ErrorInterceptor()],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -53,19 +53,35 @@ def wait_until_healthy(url: str, process: subprocess.Popen, timeout_s: float = 1
     raise TimeoutError(f"{url} not healthy after {timeout_s} s")
 
 
-def start_stack(target_dir: Path, draft_dir: Path) -> Stack:
-    port, draft_port, verify_port = free_port(), free_port(), free_port()
-    command = [
+def up_command(
+    target_dir: Path,
+    draft_dir: Path,
+    port: int,
+    draft_port: int,
+    verify_port: int,
+    metrics_ports: tuple[int, int] | None = None,
+) -> list[str]:
+    draft_metrics, verify_metrics = metrics_ports or (free_port(), free_port())
+    return [
         sys.executable, "-m", "specserve.cli", "up", "--port", str(port), "--draft-port", str(draft_port),
         "--verify-port", str(verify_port), "--target", str(target_dir), "--draft", str(draft_dir), "--device", "cpu",
+        "--draft-metrics-port", str(draft_metrics), "--verify-metrics-port", str(verify_metrics),
     ]  # fmt: skip
+
+
+def start_stack(
+    target_dir: Path, draft_dir: Path, env: dict[str, str] | None = None, metrics_ports: tuple[int, int] | None = None
+) -> Stack:
+    port, draft_port, verify_port = free_port(), free_port(), free_port()
+    command = up_command(target_dir, draft_dir, port, draft_port, verify_port, metrics_ports)
     # One torch thread per service: three processes share two cores, and tiny models gain
     # nothing from intra-op threads but lose to their spinning.
     env = {
         **os.environ,
-        "SPECSERVE_LOG_LEVEL": "WARNING",
+        "SPECSERVE_LOG_LEVEL": os.environ.get("SPECSERVE_LOG_LEVEL", "WARNING"),
         "SPECSERVE_VERIFY_THREADS": "1",
         "SPECSERVE_DRAFT_THREADS": "1",
+        **(env or {}),
     }
     process = subprocess.Popen(command, env=env)
     url = f"http://127.0.0.1:{port}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -13,7 +12,7 @@ import torch
 from scipy import stats
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import free_port
+from tests.conftest import free_port, up_command
 
 PROMPTS = [
     (72, 101, 108, 108, 111),
@@ -205,8 +204,7 @@ def test_mismatched_pair_is_refused_at_start_up(tmp_path):
     from specserve.testing import save_pair
 
     target_dir, draft_dir = save_pair(tmp_path, mismatched=True)
-    command = [sys.executable, "-m", "specserve.cli", "up", "--port", str(free_port()), "--draft-port", str(free_port()),
-               "--verify-port", str(free_port()), "--target", str(target_dir), "--draft", str(draft_dir)]  # fmt: skip
+    command = up_command(target_dir, draft_dir, free_port(), free_port(), free_port())
     result = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert result.returncode != 0
     assert "different vocabularies" in result.stderr

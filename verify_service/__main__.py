@@ -8,7 +8,9 @@ from specserve.batching import Batcher
 from specserve.config import parse_config
 from specserve.grpc_server import run_service
 from specserve.logs import setup_logging
+from specserve.metrics import ServiceMetrics
 from specserve.models import load_for_service
+from specserve.telemetry import setup_tracing
 from specserve.v1 import verify_pb2_grpc
 from verify_service.config import VerifyConfig
 from verify_service.engine import Verifier
@@ -18,13 +20,18 @@ from verify_service.servicer import SERVICE_NAME, VerifyServicer
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(VerifyConfig, "verify", argv, "specserve verify", "Serve the target model (VerifyService).")
     setup_logging("verify")
+    tracing = setup_tracing("specserve-verify", config.trace_console, config.trace_sample_ratio)
     loaded = load_for_service(config)
-    verifier = Verifier(loaded, config)
+    metrics = ServiceMetrics("verifier")
+    metrics.serve(config.host, config.metrics_port)
+    verifier = Verifier(loaded, config, metrics)
     batcher = Batcher(verifier.step, config.max_batch, config.max_wait_ms / 1000, name="verifier")
-    servicer = VerifyServicer(batcher, loaded, config)
+    servicer = VerifyServicer(batcher, loaded, config, metrics)
     register = lambda server: verify_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, server)  # noqa: E731
     run_service(SERVICE_NAME, register, config.address, config.max_workers, config.grace_s)
     batcher.close()
+    if tracing is not None:
+        tracing.shutdown()  # flushes spans still buffered
     return 0
 
 

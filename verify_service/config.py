@@ -2,12 +2,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.config import check, field
+from specserve.config import TracingOptions, check, field
 from specserve.paths import DEMO_TARGET
 
 
 @dataclass(frozen=True)
-class VerifyConfig:
+class VerifyConfig(TracingOptions):
     model: str = field(str(DEMO_TARGET), "directory of the target model (Hugging Face format)")
     served_model_name: str = field("", "name clients use for the model; default: the directory's name")
     host: str = field("127.0.0.1", "address to listen on (0.0.0.0 for all interfaces)")
@@ -32,9 +32,11 @@ class VerifyConfig:
     max_batched_tokens: int = field(2048, "most tokens in one forward; longer prompts are prefilled in chunks")
     threads: int = field(0, "torch CPU threads for the model (0: torch's default)")
     max_workers: int = field(256, "gRPC worker threads (concurrent calls in flight)")
+    metrics_port: int = field(9102, "port of the Prometheus /metrics endpoint (0: none)")
     grace_s: float = field(10.0, "on SIGTERM, how long in-flight calls may take to finish")
 
     def __post_init__(self) -> None:
+        self.check_tracing()
         check(bool(self.model), "model must name a directory")
         check(0 < self.port < 65536, f"port must lie in 1..65535, got {self.port}")
         check(self.max_sessions >= 1, "max_sessions must be >= 1")

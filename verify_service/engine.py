@@ -25,6 +25,7 @@ import torch
 from kernels import greedy_verify, rejection_sample
 from specserve.backends import ForwardRow, KVSequence, forward_in_budget
 from specserve.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, require
+from specserve.metrics import ServiceMetrics
 from specserve.models import LoadedModel
 from specserve.protocol import SparseDistribution, check_token_ids
 from specserve.sampling import SamplingParams, processed_probs, verify_noise
@@ -63,8 +64,19 @@ class Outcome:
     next_token_id: int
     num_verified: int
     batch_size: int
-    forward_seconds: float = 0.0
-    kernel_seconds: float = 0.0
+    # Wall-clock times (time.time_ns) of the batch this call ran in: start, forward done,
+    # decision done. Spans and metrics are made from them on the caller's thread.
+    batch_started_ns: int = 0
+    forward_ended_ns: int = 0
+    decided_ns: int = 0
+
+    @property
+    def forward_seconds(self) -> float:
+        return (self.forward_ended_ns - self.batch_started_ns) / 1e9
+
+    @property
+    def kernel_seconds(self) -> float:
+        return (self.decided_ns - self.forward_ended_ns) / 1e9
 
 
 @dataclass
@@ -92,11 +104,12 @@ class _Row:
 
 
 class Verifier:
-    def __init__(self, loaded: LoadedModel, config: VerifyConfig):
+    def __init__(self, loaded: LoadedModel, config: VerifyConfig, metrics: ServiceMetrics | None = None):
         self.loaded = loaded
         self.backend = loaded.backend
         self.config = config
         self.sessions: dict[str, Session] = {}
+        self.metrics = metrics
 
     def step(self, jobs: list[Job]) -> list[Outcome | None | BaseException]:
         """Processes one batch: one forward for every session, one kernel call per sampling mode."""
@@ -118,11 +131,11 @@ class Verifier:
         if not rows:
             return results
         try:
-            started = time.perf_counter()
+            started = time.time_ns()
             self._forward([row for _, row in rows])
-            forwarded = time.perf_counter()
+            forwarded = time.time_ns()
             decisions = self._decide([row for _, row in rows])
-            timing = {"forward_seconds": forwarded - started, "kernel_seconds": time.perf_counter() - forwarded}
+            timing = {"batch_started_ns": started, "forward_ended_ns": forwarded, "decided_ns": time.time_ns()}
         except BaseException:
             for _, row in rows:
                 if row.is_new:
@@ -132,7 +145,15 @@ class Verifier:
             raise
         for (index, row), (num_accepted, next_token) in zip(rows, decisions):
             results[index] = dataclasses.replace(self._commit(row, num_accepted, next_token), **timing)
+        self._observe(len(rows), (forwarded - started) / 1e9)
         return results
+
+    def _observe(self, rows: int, forward_seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.batch_size.observe(rows)
+            self.metrics.forward_seconds.observe(forward_seconds)
+            self.metrics.active_sessions.set(len(self.sessions))
+            self.metrics.kv_slots_in_use.set(self.backend.in_use)
 
     @property
     def active_sessions(self) -> int:
@@ -142,6 +163,9 @@ class Verifier:
         session = self.sessions.pop(session_id, None)
         if session is not None:
             self.backend.close(session.sequence)
+        if self.metrics is not None:
+            self.metrics.active_sessions.set(len(self.sessions))
+            self.metrics.kv_slots_in_use.set(self.backend.in_use)
 
     def _prepare(self, job: PrefillJob | VerifyJob) -> _Row:
         if isinstance(job, PrefillJob):

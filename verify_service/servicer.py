@@ -5,9 +5,11 @@ from __future__ import annotations
 import time
 
 from specserve.batching import Batcher
+from specserve.metrics import ServiceMetrics
 from specserve.models import LoadedModel
 from specserve.protocol import SparseDistribution, model_info
 from specserve.sampling import SamplingParams
+from specserve.telemetry import record_span
 from specserve.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from verify_service.config import VerifyConfig
 from verify_service.engine import Outcome, PrefillJob, ReleaseJob, VerifyJob
@@ -16,16 +18,28 @@ SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 
 
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
-    def __init__(self, batcher: Batcher, loaded: LoadedModel, config: VerifyConfig):
+    def __init__(self, batcher: Batcher, loaded: LoadedModel, config: VerifyConfig, metrics: ServiceMetrics):
         self._batcher = batcher
         self._loaded = loaded
         self._config = config
+        self._metrics = metrics
         self._info = model_info(loaded, config.max_speculative_tokens)
+
+    def _run(self, job) -> Outcome:
+        """Submits a job; records its queue, forward and kernel time as spans and metrics."""
+        submitted = time.time_ns()
+        outcome: Outcome = self._batcher.submit(job)
+        self._metrics.queue_seconds.observe(max(0, outcome.batch_started_ns - submitted) / 1e9)
+        attributes = {"specserve.batch_size": outcome.batch_size}
+        record_span("verifier.queue", submitted, max(submitted, outcome.batch_started_ns))
+        record_span("target.forward", outcome.batch_started_ns, outcome.forward_ended_ns, attributes)
+        record_span("kernel.rejection_sample", outcome.forward_ended_ns, outcome.decided_ns, attributes)
+        return outcome
 
     def Prefill(self, request: verify_pb2.PrefillRequest, context) -> verify_pb2.PrefillResponse:
         started = time.perf_counter()
         job = PrefillJob(request.session_id, tuple(request.token_ids), SamplingParams.from_proto(request.sampling))
-        outcome: Outcome = self._batcher.submit(job)
+        outcome = self._run(job)
         return verify_pb2.PrefillResponse(
             next_token_id=outcome.next_token_id,
             num_verified=outcome.num_verified,
@@ -34,7 +48,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
 
     def Verify(self, request: verify_pb2.VerifyRequest, context) -> verify_pb2.VerifyResponse:
         started = time.perf_counter()
-        outcome: Outcome = self._batcher.submit(self._verify_job(request))
+        outcome = self._run(self._verify_job(request))
         return verify_pb2.VerifyResponse(
             num_accepted=outcome.num_accepted,
             next_token_id=outcome.next_token_id,

@@ -1,0 +1,62 @@
+"""One request's span and metrics: the request span carries the GenAI semantic-convention
+attributes (https://opentelemetry.io/docs/specs/semconv/gen-ai/) and parents every round."""
+
+from __future__ import annotations
+
+import time
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from gateway.generation import GenerationPlan
+from specserve.metrics import GatewayMetrics
+from specserve.telemetry import tracer
+
+
+class RequestObserver:
+    def __init__(self, metrics: GatewayMetrics, chat: bool, model: str, plan: GenerationPlan):
+        self.metrics = metrics
+        self.started = time.perf_counter()
+        self.last_token_at: float | None = None
+        operation = "chat" if chat else "text_completion"
+        self.span = tracer().start_span(
+            f"{operation} {model}",
+            kind=SpanKind.INTERNAL,  # under the HTTP server span FastAPI makes
+            attributes={
+                "gen_ai.operation.name": operation,
+                "gen_ai.request.model": model,
+                "gen_ai.request.max_tokens": plan.max_tokens,
+                "gen_ai.request.temperature": plan.sampling.temperature,
+                "gen_ai.usage.input_tokens": len(plan.prompt_token_ids),
+                "specserve.speculation.method": plan.method,
+                "specserve.speculation.num_speculative_tokens": plan.num_speculative_tokens,
+            },
+        )
+        self.context = trace.set_span_in_context(self.span)
+        self.finished = False
+        metrics.requests_running.inc()
+
+    def on_tokens(self, count: int) -> None:
+        """A round's tokens reached the response; latency is counted per token."""
+        now = time.perf_counter()
+        if self.last_token_at is None:
+            self.metrics.ttft.observe(now - self.started)
+            count -= 1
+        elif count:
+            for _ in range(count):
+                self.metrics.itl.observe((now - self.last_token_at) / count)
+        self.last_token_at = now
+
+    def finish(self, output_tokens: int, finish_reason: str | None, error: BaseException | None = None) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.metrics.requests_running.dec()
+        self.metrics.e2e.observe(time.perf_counter() - self.started)
+        self.metrics.requests.labels(finish_reason=finish_reason or "error").inc()
+        self.span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+        self.span.set_attribute("gen_ai.response.finish_reasons", [finish_reason or "error"])
+        if error is not None:
+            self.span.record_exception(error)
+            self.span.set_status(Status(StatusCode.ERROR, str(error)))
+        self.span.end()

@@ -1,0 +1,121 @@
+"""Prometheus metrics, named with the words of DESIGN.md. Each process owns its registry
+(no module-level state); the gateway serves it on /metrics, each service on a metrics port.
+
+Counters are exposed with prometheus_client's `_total` suffix, e.g.
+`specserve:spec_decode_num_drafts_total`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.num_drafts = Counter("specserve:spec_decode_num_drafts", "Rounds that carried draft tokens.", registry=r)
+        self.num_draft_tokens = Counter(
+            "specserve:spec_decode_num_draft_tokens", "Draft tokens sent for verification.", registry=r
+        )
+        self.num_accepted_tokens = Counter(
+            "specserve:spec_decode_num_accepted_tokens", "Draft tokens the target accepted.", registry=r
+        )
+        self.accepted_per_pos = Counter(
+            "specserve:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by draft position (0 = the first draft token of a round).",
+            ["position"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "specserve:time_to_first_token_seconds",
+            "Request arrival to first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "specserve:inter_token_latency_seconds",
+            "Time per output token after the first: each token of a round counts round time / tokens in the round.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "specserve:e2e_request_latency_seconds",
+            "Request arrival to last token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.round_seconds = Histogram(
+            "specserve:round_seconds",
+            "Time of one round by hop: draft and verify calls as the gateway saw them, wire = calls minus the services' own time.",
+            ["hop"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests_running = Gauge("specserve:num_requests_running", "Requests being generated now.", registry=r)
+        self.requests = Counter(
+            "specserve:requests", "Finished requests, by finish reason.", ["finish_reason"], registry=r
+        )
+
+    def observe_round(self, k: int, num_accepted: int, draft_s: float, verify_s: float, wire_s: float) -> None:
+        if k > 0:
+            self.num_drafts.inc()
+            self.num_draft_tokens.inc(k)
+            self.num_accepted_tokens.inc(num_accepted)
+            for position in range(num_accepted):
+                self.accepted_per_pos.labels(position=str(position)).inc()
+            self.round_seconds.labels(hop="draft").observe(draft_s)
+        self.round_seconds.labels(hop="verify").observe(verify_s)
+        self.round_seconds.labels(hop="wire").observe(wire_s)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ServiceMetrics:
+    """What the draft and verify services report: batching and occupancy."""
+
+    def __init__(self, component: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.batch_size = Histogram(
+            f"specserve:{component}_batch_size", "Sessions per batch (one forward).", buckets=BATCH_BUCKETS, registry=r
+        )
+        self.queue_seconds = Histogram(
+            f"specserve:{component}_queue_seconds",
+            "Time a call waited for its batch to start.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.forward_seconds = Histogram(
+            f"specserve:{component}_forward_seconds",
+            "Time of one batched forward.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.active_sessions = Gauge(f"specserve:{component}_active_sessions", "Sessions held now.", registry=r)
+        self.kv_slots_in_use = Gauge(f"specserve:{component}_kv_slots_in_use", "KV-cache slots in use.", registry=r)
+
+    def serve(self, host: str, port: int) -> None:
+        if port:
+            start_http_server(port, addr=host, registry=self.registry)

@@ -1,0 +1,112 @@
+"""One request is one trace across the three processes; /metrics agrees with usage."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from specserve.trace_report import DRAFT_CLIENT, ROUND, SpanCollector, duration_ms, report
+from tests.conftest import free_port, start_stack, stop_process
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_pair):
+    collector = SpanCollector(f"127.0.0.1:{free_port()}").start()
+    verify_metrics, draft_metrics = free_port(), free_port()
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "SPECSERVE_VERIFY_METRICS_PORT": str(verify_metrics),
+        "SPECSERVE_DRAFT_METRICS_PORT": str(draft_metrics),
+    }
+    stack = start_stack(*tiny_pair, env=env, metrics_ports=(draft_metrics, verify_metrics))
+    yield stack, collector, verify_metrics, draft_metrics
+    stop_process(stack.process)
+    collector.stop()
+
+
+def wait_for_trace(collector: SpanCollector, rounds: int, timeout_s: float = 30) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        spans = collector.snapshot()
+        requests = [s for s in spans if s["attributes"].get("gen_ai.operation.name")]
+        if requests:
+            trace = [s for s in spans if s["trace_id"] == requests[0]["trace_id"]]
+            services = {s["service"] for s in trace}
+            if len([s for s in trace if s["name"] == ROUND]) >= rounds and len(services) == 3:
+                time.sleep(0.5)  # stragglers of the same trace
+                return [s for s in collector.snapshot() if s["trace_id"] == requests[0]["trace_id"]]
+        time.sleep(0.2)
+    raise TimeoutError(f"no complete trace; got {[(s['service'], s['name']) for s in collector.snapshot()]}")
+
+
+def test_one_request_is_one_trace_across_all_three_processes(traced, tmp_path):
+    stack, collector, _, _ = traced
+    body = {"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0, "speculation": {"num_speculative_tokens": 3}}
+    reply = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()
+    httpx.get(f"{stack.url}/health")  # health checks must not appear in any trace
+    rounds = reply["usage"]["speculation"]["num_drafts"]
+    spans = wait_for_trace(collector, rounds)
+    by_id = {s["span_id"]: s for s in spans}
+    assert {s["service"] for s in spans} == {"specserve-gateway", "specserve-draft", "specserve-verify"}
+    assert not any("Health" in s["name"] or "/health" in s["name"] for s in collector.snapshot())
+
+    [request] = [s for s in spans if s["attributes"].get("gen_ai.operation.name")]
+    assert request["service"] == "specserve-gateway"
+    assert len([s for s in spans if s["parent_span_id"] == ""]) == 1  # a single root: the HTTP request
+    assert request["attributes"]["gen_ai.request.model"] == "target"
+    assert request["attributes"]["gen_ai.usage.output_tokens"] == 12
+    assert request["attributes"]["gen_ai.response.finish_reasons"] == ["length"]
+    for span in spans:  # every parent is in the same trace
+        assert span["parent_span_id"] == "" or span["parent_span_id"] in by_id, span["name"]
+
+    round_spans = [s for s in spans if s["name"] == ROUND]
+    assert all(by_id[s["parent_span_id"]] is request for s in round_spans)
+    for round_span in round_spans:
+        calls = [s for s in spans if s["parent_span_id"] == round_span["span_id"]]
+        names = {c["name"] for c in calls}
+        assert DRAFT_CLIENT in names and any(n.endswith("VerifyService/Verify") for n in names), names
+        for call in calls:  # each client span has the service's server span under it
+            servers = [s for s in spans if s["parent_span_id"] == call["span_id"]]
+            assert servers and servers[0]["service"] != "specserve-gateway"
+            assert servers[0]["attributes"]["rpc.system"] == "grpc"
+        hops = sum(duration_ms(c) for c in calls)
+        assert abs(hops - duration_ms(round_span)) <= 0.10 * duration_ms(round_span)
+        assert {"specserve.k", "specserve.num_accepted", "specserve.batch_size"} <= set(round_span["attributes"])
+    names = {s["name"] for s in spans}
+    assert {"verifier.queue", "target.forward", "kernel.rejection_sample", "draft.forward"} <= names
+
+    text = report(spans, tmp_path)
+    assert (
+        "| hop |" in text
+        and (tmp_path / "waterfall.png").stat().st_size > 0
+        and (tmp_path / "round_split.png").is_file()
+    )
+
+
+def counter(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_metrics_agree_with_the_usage_served(traced):
+    stack, _, verify_metrics, draft_metrics = traced
+    before = httpx.get(f"{stack.url}/metrics").text
+    totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+    for seed in range(3):
+        body = {"prompt": [9, seed], "max_tokens": 10, "temperature": 0.8, "seed": seed}
+        usage = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()["usage"]["speculation"]
+        for key in totals:
+            totals[key] += usage[key]
+    after = httpx.get(f"{stack.url}/metrics").text
+    for key, value in totals.items():
+        name = f"specserve:spec_decode_{key}_total"
+        assert counter(after, name) - counter(before, name) == value, name
+    assert "specserve:time_to_first_token_seconds_bucket" in after
+    assert 'specserve:round_seconds_count{hop="verify"}' in after
+    verifier = httpx.get(f"http://127.0.0.1:{verify_metrics}/metrics").text
+    assert "specserve:verifier_batch_size_bucket" in verifier and "specserve:verifier_kv_slots_in_use" in verifier
+    assert "specserve:drafter_batch_size_bucket" in httpx.get(f"http://127.0.0.1:{draft_metrics}/metrics").text
