@@ -105,6 +105,7 @@ class DraftStream:
         self._session_id = session_id
         self._call = None
         self._sent = 0  # verified tokens the draft service has been told of
+        self.last_request_bytes = 0
 
     async def propose(
         self, sequence: list[int], k: int, sampling: common_pb2.SamplingParams, trace_context: dict[str, str]
@@ -120,6 +121,7 @@ class DraftStream:
             sampling=sampling,
             trace_context=trace_context,
         )
+        self.last_request_bytes = request.ByteSize()
         await self._call.write(request)
         response = await asyncio.wait_for(self._call.read(), self._backends.rpc_timeout_s)
         if response is grpc.aio.EOF:

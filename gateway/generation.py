@@ -47,7 +47,9 @@ class RoundTimings:
     verify_server_seconds: float = 0.0
     verify_forward_seconds: float = 0.0
     verify_kernel_seconds: float = 0.0
+    wire_bytes: int = 0  # serialized draft and verify messages, both ways
     batch_sizes: dict[int, int] = field(default_factory=dict)
+    accepted_per_position: list[int] = field(default_factory=list)  # rounds whose draft i was accepted
 
     def as_dict(self) -> dict:
         wire = (self.draft_seconds - self.draft_server_seconds) + (self.verify_seconds - self.verify_server_seconds)
@@ -86,6 +88,7 @@ class Round:
     verify_server_seconds: float
     verify_forward_seconds: float = 0.0
     verify_kernel_seconds: float = 0.0
+    wire_bytes: int = 0
 
     @property
     def wire_seconds(self) -> float:
@@ -127,18 +130,19 @@ async def generate(
 
 
 async def _round(backends: Backends, drafter, session_id: str, sequence: list[int], k: int, sampling) -> Round:
-    drafts, distributions, draft_s, draft_server_s = [], [], 0.0, 0.0
+    drafts, distributions, draft_s, draft_server_s, draft_bytes = [], [], 0.0, 0.0, 0
     if k > 0:
-        drafts, distributions, draft_s, draft_server_s = await _draft(drafter, sequence, k, sampling)
+        drafts, distributions, draft_s, draft_server_s, draft_bytes = await _draft(drafter, sequence, k, sampling)
     started = time.perf_counter()
-    response = await _verify(backends, session_id, sequence, drafts, distributions, sampling)
+    request, response = await _verify(backends, session_id, sequence, drafts, distributions, sampling)
     verify_s = time.perf_counter() - started
     if response is None:  # the verifier lost the session: prefilled again, one token
         new = [await _prefill(backends, session_id, sequence, sampling)]
         return Round(new, 0, 0, 1, draft_s, draft_server_s, time.perf_counter() - started, 0.0)
     new = [*drafts[: response.num_accepted], response.next_token_id]
+    wire_bytes = draft_bytes + request.ByteSize() + response.ByteSize()
     return Round(new, len(drafts), response.num_accepted, response.batch_size, draft_s, draft_server_s, verify_s,
-                 response.server_seconds, response.forward_seconds, response.kernel_seconds)  # fmt: skip
+                 response.server_seconds, response.forward_seconds, response.kernel_seconds, wire_bytes)  # fmt: skip
 
 
 def _round_attributes(round_: Round) -> dict:
@@ -161,7 +165,12 @@ def _account(round_: Round, stats: SpeculationStats, metrics: GatewayMetrics | N
     timings.verify_server_seconds += round_.verify_server_seconds
     timings.verify_forward_seconds += round_.verify_forward_seconds
     timings.verify_kernel_seconds += round_.verify_kernel_seconds
+    timings.wire_bytes += round_.wire_bytes
     timings.batch_sizes[round_.batch_size] = timings.batch_sizes.get(round_.batch_size, 0) + 1
+    accepted = timings.accepted_per_position
+    accepted.extend([0] * (round_.k - len(accepted)))
+    for position in range(round_.num_accepted):
+        accepted[position] += 1
     if round_.k:
         stats.num_drafts += 1
         stats.num_draft_tokens += round_.k
@@ -178,9 +187,11 @@ async def _prefill(backends: Backends, session_id: str, sequence: list[int], sam
     return response.next_token_id
 
 
-async def _draft(drafter: DraftStream, sequence: list[int], k: int, sampling) -> tuple[list[int], list, float, float]:
-    """(drafts, distributions, seconds as seen here, the service's own seconds); no drafts
-    (a target-only round) when the draft service fails."""
+async def _draft(
+    drafter: DraftStream, sequence: list[int], k: int, sampling
+) -> tuple[list[int], list, float, float, int]:
+    """(drafts, distributions, seconds as seen here, the service's own seconds, bytes both
+    ways); no drafts (a target-only round) when the draft service fails."""
     started = time.perf_counter()
     attributes = {"rpc.system": "grpc", "rpc.service": "specserve.v1.DraftService", "rpc.method": "Draft"}
     with tracer().start_as_current_span(
@@ -191,15 +202,22 @@ async def _draft(drafter: DraftStream, sequence: list[int], k: int, sampling) ->
         except (grpc.RpcError, RuntimeError, TimeoutError) as error:
             log.warning("draft failed (%s); this round runs target-only", _describe(error))
             drafter.reset()
-            return [], [], time.perf_counter() - started, 0.0
+            return [], [], time.perf_counter() - started, 0.0, 0
     seconds = time.perf_counter() - started
-    return list(response.draft_token_ids), list(response.draft_distributions), seconds, response.draft_seconds
+    wire_bytes = drafter.last_request_bytes + response.ByteSize()
+    return (
+        list(response.draft_token_ids),
+        list(response.draft_distributions),
+        seconds,
+        response.draft_seconds,
+        wire_bytes,
+    )
 
 
 async def _verify(
     backends: Backends, session_id: str, sequence: list[int], drafts: list[int], distributions: list, sampling
-) -> verify_pb2.VerifyResponse | None:
-    """The verifier's answer, or None when it no longer holds the session as we do."""
+) -> tuple[verify_pb2.VerifyRequest, verify_pb2.VerifyResponse | None]:
+    """The request and the verifier's answer, None when it no longer holds the session as we do."""
     request = verify_pb2.VerifyRequest(
         session_id=session_id,
         num_verified=len(sequence),
@@ -208,12 +226,12 @@ async def _verify(
         sampling=sampling,
     )
     try:
-        return await backends.verify.Verify(request, timeout=backends.rpc_timeout_s)
+        return request, await backends.verify.Verify(request, timeout=backends.rpc_timeout_s)
     except grpc.aio.AioRpcError as error:
         if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
             raise
         log.warning("verifier session out of step (%s); prefilling again", error.details())
-        return None
+        return request, None
 
 
 async def _release(backends: Backends, session_id: str) -> None:

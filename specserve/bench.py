@@ -1,8 +1,17 @@
-"""`specserve bench`: speculative vs target-only decoding through a running gateway, side by
-side in one run, optionally next to transformers' own generate() on the same target.
+"""`specserve bench`: how much faster speculative decoding answers than the target alone,
+measured side by side in one run, and explained with DESIGN.md's model.
 
-The machine is shared and noisy, so only ratios measured together count: methods alternate
-round by round, every figure comes from the same run. Prints a Markdown table and writes JSON.
+Rows per (workload, temperature, clients): target-only through the stack (method "none"),
+speculative through the stack for each K, and, with one client, transformers' generate() of
+the target alone and with the draft as its assistant model, in this process. Requests of
+every row interleave prompt by prompt, so load elsewhere on the machine hits all rows alike:
+compare ratios within one run, not absolute figures across runs.
+
+For each speculative row: alpha (acceptance rate), the mean accepted length E (tokens per
+round), c = draft cost per token / target step cost, v = verify pass cost / target step
+cost, h = the rest of a round (wire, queueing, orchestration) / target step cost, where the
+target step cost is the verifier's forward time per round of the "none" row; the predicted
+speedup E / (K c + v) (h = 0) and E / (K c + v + h) next to the measured one.
 """
 
 from __future__ import annotations
@@ -12,42 +21,65 @@ import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-DEFAULT_PROMPTS = (
-    "def fibonacci(n):\n",
-    "class Stack:\n    def __init__(self):\n",
-    "import os\n\n\ndef list_files(path):\n",
-    "for i in range(10):\n",
-)
-TIMING_KEYS = ("draft_seconds", "verify_seconds", "verify_forward_seconds", "verify_kernel_seconds", "wire_seconds")
+from specserve.paths import DEMO_DRAFT, DEMO_TARGET
+
+WORKLOADS = ("code", "edit", "chat")
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def workload_prompts(workload: str, count: int) -> list:
+    """Prompts of a workload: strings for completions, message lists for chat."""
+    from specserve.workloads import chat_prompts, code_completion_prompts, edit_prompts
+
+    if workload == "code":
+        return code_completion_prompts(count)
+    if workload == "edit":
+        return edit_prompts(count)
+    if workload == "chat":
+        return chat_prompts(count)
+    raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
+
+
+# ----------------------------------------------------------------------------- rows
 
 
 @dataclass
 class Row:
-    method: str  # none | draft_model | hf_generate
-    k: int
-    concurrency: int
+    workload: str
+    temperature: float
+    clients: int
+    method: str  # none | draft_model | hf_target | hf_assisted
+    k: int = 0
     requests: int = 0
     completion_tokens: int = 0
     wall_seconds: float = 0.0
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     rounds: int = 0
-    timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMING_KEYS, 0.0))
+    timings: dict[str, float] = field(default_factory=dict)
+    accepted_per_position: list[int] = field(default_factory=list)
     batch_sizes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.method} K={self.k}" if self.method == "draft_model" else self.method
 
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.wall_seconds if self.wall_seconds else 0.0
 
-    @property
-    def mean_accepted_length(self) -> float | None:
-        return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts if self.num_drafts else None
+    def per_round(self, key: str) -> float:
+        return self.timings.get(key, 0.0) / self.rounds if self.rounds else 0.0
 
     def add_usage(self, usage: dict) -> None:
         self.requests += 1
@@ -56,128 +88,339 @@ class Row:
             setattr(self, key, getattr(self, key) + usage["speculation"][key])
         timings = usage.get("timings", {})
         self.rounds += timings.get("rounds", 0)
-        for key in TIMING_KEYS:
-            self.timings[key] += timings.get(key, 0.0)
+        for key, value in timings.items():
+            if isinstance(value, (int, float)) and key != "rounds":
+                self.timings[key] = self.timings.get(key, 0.0) + value
         for size, count in timings.get("batch_sizes", {}).items():
             self.batch_sizes[size] = self.batch_sizes.get(size, 0) + count
+        positions = timings.get("accepted_per_position", [])
+        self.accepted_per_position.extend([0] * (len(positions) - len(self.accepted_per_position)))
+        for i, count in enumerate(positions):
+            self.accepted_per_position[i] += count
 
-    def summary(self) -> dict:
-        per_round = {k: (v / self.rounds * 1000 if self.rounds else None) for k, v in self.timings.items()}
-        return {**asdict(self), "tokens_per_s": self.tokens_per_s, "mean_accepted_length": self.mean_accepted_length,
-                "ms_per_round": per_round}  # fmt: skip
+
+def analyse(row: Row, baseline: Row | None) -> dict:
+    """DESIGN.md's quantities for a row, against the target-only row of its group."""
+    out = {"tokens_per_s": row.tokens_per_s}
+    out["ttft_p50_ms"] = _pct(row.ttft, 50) * 1000 if row.ttft else None
+    out["itl_p50_ms"] = _pct(row.itl, 50) * 1000 if row.itl else None
+    out["itl_p99_ms"] = _pct(row.itl, 99) * 1000 if row.itl else None
+    out["bytes_per_round"] = row.timings.get("wire_bytes", 0.0) / row.rounds if row.rounds else None
+    if baseline is None or not baseline.tokens_per_s:
+        return out
+    out["measured_speedup"] = row.tokens_per_s / baseline.tokens_per_s
+    step = baseline.per_round("verify_forward_seconds")  # one target step
+    if row.method != "draft_model" or not row.num_drafts or not step:
+        return out
+    alpha = row.num_accepted_tokens / row.num_draft_tokens
+    mean_length = (row.num_accepted_tokens + row.num_drafts) / row.num_drafts
+    c = row.timings.get("draft_server_seconds", 0.0) / row.num_draft_tokens / step
+    v = row.per_round("verify_forward_seconds") / step
+    busy = row.per_round("draft_server_seconds") + row.per_round("verify_forward_seconds")
+    h = (row.per_round("draft_seconds") + row.per_round("verify_seconds") - busy) / step
+    k = row.num_draft_tokens / row.num_drafts  # mean K actually sent (shorter near max_tokens)
+    out.update(alpha=alpha, mean_accepted_length=mean_length, c=c, v=v, h=h,
+               predicted_speedup_h0=mean_length / (k * c + v), predicted_speedup=mean_length / (k * c + v + h))  # fmt: skip
+    return out
 
 
-def _request(client: httpx.Client, url: str, prompt: str, row: Row, max_tokens: int, temperature: float) -> dict:
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+# ----------------------------------------------------------------------------- stack rows
+
+
+def stream_one(
+    client: httpx.Client, url: str, prompt, row: Row, max_tokens: int, seed: int
+) -> tuple[dict, float, list[float], float]:
+    """One streamed request: (usage, time to first token, per-token gaps after it, seconds)."""
     speculation = {"method": row.method, **({"num_speculative_tokens": row.k} if row.k else {})}
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": 0, "return_timings": True,
+    body = {"max_tokens": max_tokens, "temperature": row.temperature, "seed": seed, "stream": True,
+            "stream_options": {"include_usage": True}, "return_timings": True, "return_token_ids": True,
             "speculation": speculation}  # fmt: skip
-    reply = client.post(f"{url}/v1/completions", json=body, timeout=600)
-    reply.raise_for_status()
-    return reply.json()["usage"]
+    path = "/v1/chat/completions" if isinstance(prompt, list) else "/v1/completions"
+    body["messages" if isinstance(prompt, list) else "prompt"] = prompt
+    started = time.perf_counter()
+    first, last, gaps, usage = None, None, [], None
+    with client.stream("POST", f"{url}{path}", json=body, timeout=600) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"{path} answered {reply.status_code}: {reply.read().decode()[:300]}")
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            tokens = sum(len(c.get("token_ids", [])) for c in chunk.get("choices", []))
+            if not tokens:
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now - started
+            else:
+                gaps.extend([(now - last) / tokens] * tokens)
+            last = now
+    return usage, first or 0.0, gaps, time.perf_counter() - started
 
 
-def run_stack_row(url: str, prompts: list[str], row: Row, max_tokens: int, temperature: float) -> None:
-    """One pass over the prompts with row.concurrency clients at once."""
-    jobs = [prompts[i % len(prompts)] for i in range(max(len(prompts), row.concurrency))]
-    with httpx.Client(limits=httpx.Limits(max_connections=row.concurrency)) as client:
+def run_stack_row(url: str, prompts: list, row: Row, max_tokens: int) -> None:
+    with httpx.Client(limits=httpx.Limits(max_connections=row.clients)) as client:
         started = time.perf_counter()
-        with ThreadPoolExecutor(row.concurrency) as pool:
-            usages = list(pool.map(lambda p: _request(client, url, p, row, max_tokens, temperature), jobs))
-        row.wall_seconds += time.perf_counter() - started
-    for usage in usages:
+        with ThreadPoolExecutor(row.clients) as pool:
+            results = list(
+                pool.map(lambda ip: stream_one(client, url, ip[1], row, max_tokens, ip[0]), enumerate(prompts))
+            )
+        row.wall_seconds += (time.perf_counter() - started) if row.clients > 1 else 0.0
+    for usage, ttft, gaps, seconds in results:
         row.add_usage(usage)
+        row.ttft.append(ttft)
+        row.itl.extend(gaps)
+        if row.clients == 1:  # one client: the sum of its request times
+            row.wall_seconds += seconds
 
 
-class HFGenerate:
-    """transformers' generate() of the target alone, in this process."""
+# ----------------------------------------------------------------------------- transformers rows
 
-    def __init__(self, target_dir: str):
+
+class Transformers:
+    """transformers' generate(), target alone or with the draft as assistant, in this process."""
+
+    def __init__(self, target_dir: str, draft_dir: str):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        self.draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
 
-    def run_row(self, prompts: list[str], row: Row, max_tokens: int) -> None:
-        for prompt in prompts:
-            ids = self.torch.tensor([self.tokenizer(prompt)["input_ids"]])
+    def run(self, prompts: list, row: Row, max_tokens: int) -> None:
+        for seed, prompt in enumerate(prompts):
+            if isinstance(prompt, list):
+                text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+            else:
+                ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"]
+            kwargs = {"max_new_tokens": max_tokens, "do_sample": row.temperature > 0}
+            if row.temperature > 0:
+                kwargs["temperature"] = row.temperature
+                self.torch.manual_seed(seed)
+            if row.method == "hf_assisted":
+                kwargs["assistant_model"] = self.draft
             started = time.perf_counter()
             with self.torch.inference_mode():
-                out = self.model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+                out = self.target.generate(ids, attention_mask=self.torch.ones_like(ids), **kwargs)
             row.wall_seconds += time.perf_counter() - started
             row.requests += 1
             row.completion_tokens += out.shape[1] - ids.shape[1]
 
 
-def bench(args: argparse.Namespace) -> list[Row]:
-    prompts = args.prompt or list(DEFAULT_PROMPTS)
-    rows = [Row("none", 0, c) for c in args.concurrency]
-    rows += [Row("draft_model", k, c) for c in args.concurrency for k in args.k]
-    hf = HFGenerate(args.hf_target) if args.hf_target else None
-    if hf:
-        rows.append(Row("hf_generate", 0, 1))
-    with httpx.Client() as client:  # warm-up: first calls pay for lazy initialisation
-        _request(client, args.url, prompts[0], Row("draft_model", args.k[0], 1), 8, args.temperature)
-    for repeat in range(args.repeats):
-        for index, row in enumerate(rows):  # interleaved: load elsewhere hits every row alike
-            print(
-                f"\rrepeat {repeat + 1}/{args.repeats}, row {index + 1}/{len(rows)}",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
-            if row.method == "hf_generate":
-                hf.run_row(prompts, row, args.max_tokens)
-            else:
-                run_stack_row(args.url, prompts, row, args.max_tokens, args.temperature)
-    print(file=sys.stderr)
+# ----------------------------------------------------------------------------- the run
+
+
+def plan_rows(args) -> list[Row]:
+    rows = []
+    for workload in args.workloads:
+        for temperature in args.temperatures:
+            for clients in args.concurrency:
+                rows.append(Row(workload, temperature, clients, "none"))
+                rows += [Row(workload, temperature, clients, "draft_model", k) for k in args.k]
+                if clients == 1 and args.transformers:
+                    rows += [Row(workload, temperature, 1, "hf_target"), Row(workload, temperature, 1, "hf_assisted")]
     return rows
 
 
-def table(rows: list[Row]) -> str:
-    baseline = {row.concurrency: row.tokens_per_s for row in rows if row.method == "none"}
-    single = baseline.get(1) or next(iter(baseline.values()))
-    lines = [
-        "| method | K | clients | tokens/s | vs none (same clients) | vs none x1 | mean accepted length "
-        "| ms/round draft | verify (forward, kernel) | wire | verifier batch sizes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+def run(args, url: str) -> list[Row]:
+    from tqdm import tqdm
+
+    rows = plan_rows(args)
+    prompts = {w: workload_prompts(w, args.prompts) for w in args.workloads}
+    hf = Transformers(args.target, args.draft) if args.transformers else None
+    with httpx.Client() as client:  # warm-up: the first calls pay for lazy initialisation
+        stream_one(client, url, prompts[args.workloads[0]][0], Row("code", 0.0, 1, "draft_model", args.k[0]), 8, 0)
+    # Interleave: prompt by prompt, every row of a group gets its turn.
+    steps = [(row, [p]) for i in range(args.prompts) for row in rows for p in [prompts[row.workload][i % len(prompts[row.workload])]]
+             if row.clients == 1]  # fmt: skip
+    steps += [
+        (row, prompts[row.workload] * max(1, -(-row.clients // len(prompts[row.workload]))))
+        for row in rows
+        if row.clients > 1
     ]
+    for row, batch in tqdm(steps, desc="bench", unit="step", file=sys.stderr):
+        if row.method in ("hf_target", "hf_assisted"):
+            hf.run(batch, row, args.max_tokens)
+        else:
+            run_stack_row(url, batch, row, args.max_tokens)
+    return rows
+
+
+def results(rows: list[Row]) -> list[dict]:
+    out = []
     for row in rows:
-        summary = row.summary()["ms_per_round"]
-        same = baseline.get(row.concurrency)
-        mal = f"{row.mean_accepted_length:.2f}" if row.mean_accepted_length else "-"
-        fmt = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
-        verify = f"{fmt(summary['verify_seconds'])} ({fmt(summary['verify_forward_seconds'])}, {fmt(summary['verify_kernel_seconds'])})"
-        sizes = ", ".join(f"{k}:{v}" for k, v in sorted(row.batch_sizes.items(), key=lambda kv: int(kv[0]))) or "-"
+        baseline = next((r for r in rows if (r.workload, r.temperature, r.clients, r.method) ==
+                         (row.workload, row.temperature, row.clients, "none")), None)  # fmt: skip
+        single = next((r for r in rows if (r.workload, r.temperature, r.method, r.k) ==
+                       (row.workload, row.temperature, row.method, row.k) and r.clients == 1), None)  # fmt: skip
+        record = {"workload": row.workload, "temperature": row.temperature, "clients": row.clients, "method": row.method,
+                  "k": row.k, "requests": row.requests, "completion_tokens": row.completion_tokens,
+                  **analyse(row, baseline)}  # fmt: skip
+        if single is not None and single.tokens_per_s:
+            record["vs_one_client"] = row.tokens_per_s / single.tokens_per_s
+        record["ms_per_round"] = {k: row.per_round(k) * 1000 for k in
+                                  ("draft_server_seconds", "draft_seconds", "verify_forward_seconds",
+                                   "verify_kernel_seconds", "verify_seconds", "wire_seconds")}  # fmt: skip
+        positions = row.accepted_per_position
+        record["acceptance_by_position"] = [n / row.num_drafts for n in positions] if row.num_drafts else []
+        record["batch_sizes"] = row.batch_sizes
+        out.append(record)
+    return out
+
+
+def markdown(records: list[dict]) -> str:
+    def f(value, digits=2):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = ["| workload | T | clients | method | tokens/s | vs none | TTFT p50 ms | ITL p50/p99 ms | alpha | E | c | v | h "
+             "| predicted (h=0) | predicted | bytes/round |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in records:
+        method = f"{r['method']} K={r['k']}" if r["method"] == "draft_model" else r["method"]
         lines.append(
-            f"| {row.method} | {row.k or '-'} | {row.concurrency} | {row.tokens_per_s:.1f} "
-            f"| {row.tokens_per_s / same:.2f}x | {row.tokens_per_s / single:.2f}x | {mal} | {fmt(summary['draft_seconds'])} "
-            f"| {verify} | {fmt(summary['wire_seconds'])} | {sizes} |"
-            if same
-            else f"| {row.method} | - | {row.concurrency} | {row.tokens_per_s:.1f} | - | {row.tokens_per_s / single:.2f}x | - | - | - | - | - |"
+            f"| {r['workload']} | {r['temperature']} | {r['clients']} | {method} | {r['tokens_per_s']:.1f} "
+            f"| {f(r.get('measured_speedup'))}x | {f(r.get('ttft_p50_ms'), 1)} | {f(r.get('itl_p50_ms'), 1)}/{f(r.get('itl_p99_ms'), 1)} "
+            f"| {f(r.get('alpha'))} | {f(r.get('mean_accepted_length'))} | {f(r.get('c'), 3)} | {f(r.get('v'))} | {f(r.get('h'))} "
+            f"| {f(r.get('predicted_speedup_h0'))}x | {f(r.get('predicted_speedup'))}x | {f(r.get('bytes_per_round'), 0)} |"
         )
     return "\n".join(lines)
 
 
+def plots(records: list[dict], out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    single = [r for r in records if r["clients"] == 1 and r["method"] == "draft_model"]
+    groups = sorted({(r["workload"], r["temperature"]) for r in single})
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for workload, temperature in groups:
+        points = sorted(
+            (r["k"], r.get("measured_speedup", 0))
+            for r in single
+            if (r["workload"], r["temperature"]) == (workload, temperature)
+        )
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{workload}, T={temperature}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("K (draft tokens per round)")
+    ax.set_ylabel("speedup vs target-only (same run)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "speedup_vs_k.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in single:
+        if r["k"] == max(x["k"] for x in single) and r["acceptance_by_position"]:
+            ax.plot(range(1, len(r["acceptance_by_position"]) + 1), r["acceptance_by_position"], marker="o",
+                    label=f"{r['workload']}, T={r['temperature']}")  # fmt: skip
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("fraction of rounds accepting it")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "acceptance_by_position.png", dpi=120)
+    plt.close(fig)
+
+    stack_rows = [r for r in records if r["method"] in ("none", "draft_model") and r["clients"] == 1]
+    fig, ax = plt.subplots(figsize=(8, max(3, 0.3 * len(stack_rows))))
+    parts = [("draft service", lambda m: m["draft_server_seconds"]), ("target forward", lambda m: m["verify_forward_seconds"]),
+             ("kernel", lambda m: m["verify_kernel_seconds"]),
+             ("wire and queues", lambda m: m["draft_seconds"] + m["verify_seconds"] - m["draft_server_seconds"]
+              - m["verify_forward_seconds"] - m["verify_kernel_seconds"])]  # fmt: skip
+    for i, (name, value) in enumerate(parts):
+        lefts = [sum(p[1](r["ms_per_round"]) for p in parts[:i]) for r in stack_rows]
+        ax.barh(range(len(stack_rows)), [value(r["ms_per_round"]) for r in stack_rows], left=lefts, label=name)
+    ax.set_yticks(
+        range(len(stack_rows)),
+        [f"{r['workload']} T={r['temperature']} {r['method']} K={r['k']}" for r in stack_rows],
+        fontsize=7,
+    )
+    ax.set_xlabel("ms per round")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "latency_split.png", dpi=120)
+    plt.close(fig)
+
+
+def start_stack(args):
+    """`specserve up` on free loopback ports; returns (process, url)."""
+    import socket
+    import subprocess
+
+    def free() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    port = free()
+    command = [sys.executable, "-m", "specserve.cli", "up", "--port", str(port), "--draft-port", str(free()),
+               "--verify-port", str(free()), "--draft-metrics-port", str(free()), "--verify-metrics-port", str(free()),
+               "--target", args.target, "--draft", args.draft, "--device", args.device]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit("the stack exited during start-up")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    process.terminate()
+    raise SystemExit("the stack did not become healthy")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="gateway URL")
-    parser.add_argument("--k", type=int, nargs="+", default=[4], help="draft lengths to compare")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1], help="concurrent clients per row")
+    parser.add_argument("--url", help="a running gateway; default: start the stack on --target/--draft")
+    parser.add_argument("--target", default=str(DEMO_TARGET))
+    parser.add_argument("--draft", default=str(DEMO_DRAFT))
+    parser.add_argument("--device", default="auto", help="device of a stack the bench starts")
+    parser.add_argument("--quick", action="store_true", help="code, T=0, K=4, one client: under 3 minutes")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few code stubs")
-    parser.add_argument("--hf-target", help="also time transformers' generate() of this target in-process")
-    parser.add_argument("--output", default="bench-results/bench.json", help="where to write the JSON")
+    parser.add_argument("--no-transformers", dest="transformers", action="store_false",
+                        help="skip the in-process transformers rows")  # fmt: skip
+    parser.add_argument("--output", default="bench-results", help="directory for bench.json, bench.md and PNGs")
     args = parser.parse_args(argv)
-    rows = bench(args)
-    print(table(rows))
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"args": vars(args), "rows": [row.summary() for row in rows]}, indent=2))
-    print(f"wrote {output}")
+    if args.quick:
+        args.workloads, args.temperatures, args.k, args.concurrency = ["code"], [0.0], [4], [1]
+        args.prompts, args.max_tokens = min(args.prompts, 6), min(args.max_tokens, 64)
+    process, url = (None, args.url) if args.url else start_stack(args)
+    try:
+        records = results(run(args, url))
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=30)
+    out_dir = Path(args.output)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = markdown(records)
+    print(table)
+    (out_dir / "bench.md").write_text(table + "\n")
+    (out_dir / "bench.json").write_text(json.dumps({"args": vars(args), "rows": records}, indent=2))
+    plots(records, out_dir)
+    print(f"wrote {out_dir}/bench.json, bench.md, speedup_vs_k.png, acceptance_by_position.png, latency_split.png")
     return 0
 
 

@@ -45,7 +45,8 @@ def llama_config(vocab_size: int, hidden: int, layers: int, max_positions: int =
 
 
 def save_pair(directory: Path, *, hidden: int = 64, layers: int = 2, draft_layers: int = 1, sharpness: float = 20.0,
-              late_layer_scale: float = 0.5, seed: int = 0, mismatched: bool = False) -> tuple[Path, Path]:  # fmt: skip
+              late_layer_scale: float = 0.5, seed: int = 0, mismatched: bool = False,
+              max_positions: int = 512) -> tuple[Path, Path]:  # fmt: skip
     """A random target and a draft made of the target's first draft_layers layers, so the two
     agree often but not always. sharpness scales the output layer so that a few tokens hold
     most of the mass, as in trained models; late_layer_scale shrinks what the target's later
@@ -55,7 +56,7 @@ def save_pair(directory: Path, *, hidden: int = 64, layers: int = 2, draft_layer
 
     torch.manual_seed(seed)
     tokenizer = byte_tokenizer()
-    target = LlamaForCausalLM(llama_config(len(tokenizer), hidden, layers)).eval()
+    target = LlamaForCausalLM(llama_config(len(tokenizer), hidden, layers, max_positions)).eval()
     with torch.no_grad():
         target.lm_head.weight.mul_(sharpness)
         for layer in target.model.layers[draft_layers:]:
@@ -66,7 +67,7 @@ def save_pair(directory: Path, *, hidden: int = 64, layers: int = 2, draft_layer
     tokenizer.save_pretrained(target_dir)
 
     draft_tokenizer = byte_tokenizer(("<|extra|>",)) if mismatched else tokenizer
-    draft = LlamaForCausalLM(llama_config(len(draft_tokenizer), hidden, draft_layers)).eval()
+    draft = LlamaForCausalLM(llama_config(len(draft_tokenizer), hidden, draft_layers, max_positions)).eval()
     if not mismatched:
         own = draft.state_dict()
         draft.load_state_dict({name: target.state_dict()[name] for name in own})

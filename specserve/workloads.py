@@ -4,6 +4,7 @@ files the demo models never trained on), for benchmarks and the model card."""
 from __future__ import annotations
 
 import ast
+import re
 import sysconfig
 import textwrap
 from pathlib import Path
@@ -58,6 +59,45 @@ def function_headers(count: int) -> list[str]:
                 if header.rstrip().endswith(":"):
                     headers.append(textwrap.dedent(header))
     return _spread(headers, count)
+
+
+def _functions(min_lines: int, max_lines: int) -> list[tuple[ast.FunctionDef, str]]:
+    """Held-out functions of min_lines..max_lines lines, with their dedented source."""
+    found = []
+    for _, text in heldout_sources():
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and min_lines <= node.end_lineno - node.lineno + 1 <= max_lines:
+                source = ast.get_source_segment(text, node, padded=True)
+                if source:
+                    found.append((node, textwrap.dedent(source)))
+    return found
+
+
+def edit_prompts(count: int) -> list[str]:
+    """Copy-heavy editing: a function, then the start of the same function with one
+    identifier renamed. The continuation is mostly a copy, which drafts well."""
+    prompts = []
+    for node, source in _functions(8, 30):
+        names = [a.arg for a in node.args.args if a.arg not in ("self", "cls") and len(a.arg) > 2]
+        if not names:
+            continue
+        old, new = names[0], f"{names[0]}_value"
+        renamed = re.sub(rf"\b{re.escape(old)}\b", new, source)
+        first_line = renamed.splitlines(keepends=True)[0]
+        prompts.append(f"{source}\n\n# The same function, with `{old}` renamed to `{new}`:\n{first_line}")
+    return _spread(prompts, count)
+
+
+def chat_prompts(count: int) -> list[list[dict[str, str]]]:
+    """Chat requests asking for the body of a held-out function."""
+    return [
+        [{"role": "user", "content": f"Write the body of this Python function.\n\n{header}"}]
+        for header in function_headers(count)
+    ]
 
 
 def _spread(items: list[str], count: int) -> list[str]:
