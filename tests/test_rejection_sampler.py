@@ -11,6 +11,8 @@ from scipy import stats
 from kernels.rejection_reference import greedy_verify_reference, rejection_sample_reference
 
 VOCAB = 12
+# The Triton kernels run on CUDA where there is one, else on the CPU under TRITON_INTERPRET=1.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def random_pair(
@@ -157,8 +159,8 @@ def test_triton_equals_reference(batch, k_max, vocab, support):
         generator, batch, k_max, vocab, support
     )
     expected = rejection_sample_reference(p, drafts, num_draft, q_ids, q_probs, uniforms, noise)
-    actual = rejection_sample_triton(p, drafts, num_draft, q_ids, q_probs, uniforms, noise)
-    assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
+    actual = rejection_sample_triton(*(t.to(DEVICE) for t in (p, drafts, num_draft, q_ids, q_probs, uniforms, noise)))
+    assert torch.equal(actual[0].cpu(), expected[0]) and torch.equal(actual[1].cpu(), expected[1])
     if k_max > 0:
         assert 0 < expected[1].sum() < num_draft.sum(), "inputs should exercise acceptance and rejection"
 
@@ -166,5 +168,5 @@ def test_triton_equals_reference(batch, k_max, vocab, support):
         torch.rand(batch, k_max, generator=generator) < 0.7, logits[:, :k_max].argmax(-1), drafts
     )
     expected = greedy_verify_reference(logits, greedy_drafts.contiguous(), num_draft)
-    actual = greedy_verify_triton(logits, greedy_drafts.contiguous(), num_draft)
-    assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
+    actual = greedy_verify_triton(*(t.to(DEVICE) for t in (logits, greedy_drafts.contiguous(), num_draft)))
+    assert torch.equal(actual[0].cpu(), expected[0]) and torch.equal(actual[1].cpu(), expected[1])
