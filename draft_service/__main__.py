@@ -21,10 +21,13 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(DraftConfig, "draft", argv, "specserve draft", "Serve the draft model (DraftService).")
     setup_logging("draft")
     tracing = setup_tracing("specserve-draft", config.trace_console, config.trace_sample_ratio)
-    loaded = load_for_service(config)
+    models = {"draft_model": load_for_service(config)}
+    if config.early_exit_model:
+        models["early_exit"] = load_for_service(config, config.early_exit_model, config.early_exit_layers)
+    loaded = models["draft_model"]
     metrics = ServiceMetrics("drafter")
     metrics.serve(config.host, config.metrics_port)
-    drafter = Drafter(loaded, config, metrics)
+    drafter = Drafter(models, config, metrics)
     batcher = Batcher(drafter.step, config.max_batch, config.max_wait_ms / 1000, name="drafter")
     servicer = DraftServicer(drafter, batcher, loaded, config, metrics)
     register = lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)  # noqa: E731

@@ -1,9 +1,14 @@
-"""The drafter: extends each session's draft KV cache with the newly verified tokens and
-proposes K draft tokens, each with the exact sparse distribution q_i it was drawn from.
+"""The drafter: extends each session's draft state with the newly verified tokens and
+proposes up to K draft tokens, each with the exact sparse distribution q_i it was drawn from.
 
-q_i is the draft's processed distribution (the request's temperature, top-k and top-p applied
-to the draft logits) truncated to the support_size most likely tokens and renormalised
-(DESIGN.md, invariant 2). Greedy requests get argmax drafts and no distributions.
+Methods: "draft_model" (a small model of its own), "early_exit" (the target's first layers,
+final norm and LM head) and "ngram" (no model: copy what followed the latest earlier
+occurrence of the sequence's longest repeated suffix). For the model methods q_i is the
+processed distribution (the request's temperature, top-k and top-p applied to the draft
+logits) truncated to the support_size most likely tokens and renormalised (DESIGN.md,
+invariant 2); an n-gram draft is deterministic, so its q_i is one-hot. Greedy requests get
+no distributions. Drafting stops early, for the model methods, once the draft's most likely
+next token falls below min_draft_probability (adaptive length).
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_service.config import DraftConfig
-from specserve.backends import ForwardRow, KVSequence, forward_in_budget
-from specserve.errors import FailedPrecondition, RequestError, require
+from specserve.backends import Backend, ForwardRow, KVSequence, forward_in_budget
+from specserve.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted, require
 from specserve.metrics import ServiceMetrics
 from specserve.models import LoadedModel
 from specserve.protocol import SparseDistribution, check_token_ids
@@ -25,13 +30,16 @@ from specserve.sampling import SamplingParams, processed_probs, sample_sparse, t
 
 log = logging.getLogger(__name__)
 
+METHODS = ("draft_model", "early_exit", "ngram")
+
 
 @dataclass
 class DraftSession:
-    """Owned by one stream; only the batcher's worker thread touches its cache."""
+    """Owned by one stream; only the batcher's worker thread touches its state."""
 
     session_id: str
-    sequence: KVSequence
+    method: str
+    sequence: KVSequence | None  # None for ngram: there is no cache
     verified: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the cache
 
@@ -39,10 +47,12 @@ class DraftSession:
 @dataclass(frozen=True)
 class DraftJob:
     session: DraftSession
-    tokens: tuple[int, ...]  # verified tokens appended since the previous request
+    tokens: tuple[int, ...]  # verified tokens from num_verified - len(tokens) on
     num_verified: int
     num_speculative_tokens: int
     sampling: SamplingParams
+    min_draft_probability: float = 0.0
+    want_bonus_guess: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,7 @@ class Proposal:
     num_verified: int
     draft_token_ids: tuple[int, ...]
     draft_distributions: tuple[SparseDistribution, ...]
+    bonus_guess: int = -1
     batch_size: int = 1
     batch_started_ns: int = 0  # wall-clock (time.time_ns) start and end of the batch
     batch_ended_ns: int = 0
@@ -64,91 +75,130 @@ class _Drafting:
     k: int
     drafts: list[int] = field(default_factory=list)
     distributions: list[SparseDistribution] = field(default_factory=list)
+    bonus_guess: int = -1
+
+    def draws_at(self, i: int) -> bool:
+        """Whether position i (0 = the first draft) is drawn: a draft, or the bonus guess."""
+        return i < self.k or (i == self.k and self.job.want_bonus_guess and len(self.drafts) == self.k)
 
 
 class Drafter:
-    def __init__(self, loaded: LoadedModel, config: DraftConfig, metrics: ServiceMetrics | None = None):
-        self.loaded = loaded
-        self.backend = loaded.backend
+    def __init__(self, models: dict[str, LoadedModel], config: DraftConfig, metrics: ServiceMetrics | None = None):
+        """models maps "draft_model" (and "early_exit" when served) to loaded models."""
+        self.models = models
+        self.loaded = models["draft_model"]
         self.config = config
         self.metrics = metrics
+        self._sessions = 0
         self._lock = threading.Lock()  # open and close come from stream threads
 
-    def open_session(self, session_id: str) -> DraftSession:
+    def open_session(self, session_id: str, method: str) -> DraftSession:
+        method = method or "draft_model"
+        require(method in METHODS, f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        if method != "ngram" and method not in self.models:
+            raise InvalidArgument(f"{method} is not served here (start the draft service with --early-exit-model)")
         with self._lock:
-            session = DraftSession(session_id, self.backend.open())  # raises ResourceExhausted when full
+            if self._sessions >= self.config.max_sessions:
+                raise ResourceExhausted(f"the draft service holds its maximum of {self.config.max_sessions} sessions")
+            sequence = None if method == "ngram" else self.models[method].backend.open()
+            self._sessions += 1
             self._observe_sessions()
-            return session
+        return DraftSession(session_id, method, sequence)
 
     def close_session(self, session: DraftSession) -> None:
         with self._lock:
-            self.backend.close(session.sequence)
+            if session.sequence is not None:
+                self.models[session.method].backend.close(session.sequence)
+            self._sessions -= 1
             self._observe_sessions()
 
     def _observe_sessions(self) -> None:
         if self.metrics is not None:
-            self.metrics.active_sessions.set(self.backend.in_use)
-            self.metrics.kv_slots_in_use.set(self.backend.in_use)
+            self.metrics.active_sessions.set(self._sessions)
+            self.metrics.kv_slots_in_use.set(sum(m.backend.in_use for m in self.models.values()))
 
     def step(self, jobs: list[DraftJob]) -> list[Proposal | BaseException]:
-        """Drafts for every session of the batch together: one forward to catch up on the
-        verified tokens, then one forward per draft position over the rows still drafting."""
+        """Drafts for every session of the batch together: per model, one forward to catch
+        up on the verified tokens, then one forward per draft position over the rows still
+        drafting; n-gram sessions need no forward."""
         results: list[Proposal | BaseException | None] = [None] * len(jobs)
-        active: list[tuple[int, _Drafting]] = []
+        groups: dict[str, list[tuple[int, _Drafting]]] = {}
         for index, job in enumerate(jobs):
             try:
-                active.append((index, self._start(job)))
+                groups.setdefault(job.session.method, []).append((index, self._start(job)))
             except Exception as error:  # noqa: BLE001 - one bad request must not fail its batch
                 if not isinstance(error, RequestError):
                     log.exception("drafting failed")
                 results[index] = error
         started = time.time_ns()
-        try:
-            self._draft_all([drafting for _, drafting in active])
-        except BaseException:
-            for _, drafting in active:  # the caches may hold half a round: resync from scratch
-                drafting.job.session.cached_tokens = []
-                drafting.job.session.sequence.truncate(0)
-            raise
+        for method, group in groups.items():
+            self._run_group(method, [drafting for _, drafting in group])
         ended = time.time_ns()
-        for index, drafting in active:
-            drafting.job.session.verified = drafting.verified
-            results[index] = Proposal(
-                len(drafting.verified),
-                tuple(drafting.drafts),
-                tuple(drafting.distributions),
-                len(active),
-                started,
-                ended,
-            )
+        active = [item for group in groups.values() for item in group]
+        for index, d in active:
+            d.job.session.verified = d.verified
+            results[index] = Proposal(len(d.verified), tuple(d.drafts), tuple(d.distributions), d.bonus_guess,
+                                      len(active), started, ended)  # fmt: skip
         if self.metrics is not None and active:
             self.metrics.batch_size.observe(len(active))
             self.metrics.forward_seconds.observe((ended - started) / 1e9)
         return results  # type: ignore[return-value]
 
+    def _run_group(self, method: str, batch: list[_Drafting]) -> None:
+        if method == "ngram":
+            for d in batch:
+                self._ngram(d)
+            return
+        backend = self.models[method].backend
+        try:
+            self._draft_all(backend, batch)
+        except BaseException:
+            for d in batch:  # the caches may hold half a round: resync from scratch next time
+                d.job.session.cached_tokens = []
+                d.job.session.sequence.truncate(0)
+            raise
+
     def _start(self, job: DraftJob) -> _Drafting:
         self._check(job)
-        verified = job.session.verified + list(job.tokens)
-        room = self.loaded.max_context_length - len(verified)
+        start = job.num_verified - len(job.tokens)
+        verified = job.session.verified[:start] + list(job.tokens)  # a start before the end rewinds
+        room = self.loaded.max_context_length - len(verified) - (1 if job.want_bonus_guess else 0)
         return _Drafting(job, verified, max(0, min(job.num_speculative_tokens, room)))
 
-    def _draft_all(self, batch: list[_Drafting]) -> None:
+    def _ngram(self, d: _Drafting) -> None:
+        d.drafts = ngram_drafts(d.verified, d.k, self.config.ngram_max)
+        if not d.job.sampling.is_greedy:
+            d.distributions = [SparseDistribution((t,), (1.0,)) for t in d.drafts]
+
+    def _draft_all(self, backend: Backend, batch: list[_Drafting]) -> None:
         rows = [self._catch_up_row(d) for d in batch]
-        logits = [x[-1] for x in forward_in_budget(self.backend, rows, self.config.max_batched_tokens)]  # [vocab] each
-        for i in range(max((d.k for d in batch), default=0)):
+        logits = [x[-1] for x in forward_in_budget(backend, rows, self.config.max_batched_tokens)]  # [vocab] each
+        i = 0
+        while True:
             for d, row_logits in zip(batch, logits):
-                if d.k > i:
-                    token, distribution = self._draw(row_logits, d.job.sampling, position=len(d.verified) + i)
-                    d.drafts.append(token)
-                    if distribution is not None:
-                        d.distributions.append(distribution)
-            continuing = [b for b, d in enumerate(batch) if i + 1 < d.k]
+                if d.draws_at(i):
+                    self._draw_into(d, row_logits, i)
+            continuing = [b for b, d in enumerate(batch) if d.draws_at(i + 1)]
             if not continuing:
                 return
             feed = [ForwardRow(batch[b].job.session.sequence, [batch[b].drafts[-1]], 1) for b in continuing]
-            for b, new_logits in zip(continuing, self.backend.forward(feed)):
+            for b, new_logits in zip(continuing, backend.forward(feed)):
                 batch[b].job.session.cached_tokens.append(batch[b].drafts[-1])
                 logits[b] = new_logits[-1]
+            i += 1
+
+    def _draw_into(self, d: _Drafting, logits: torch.Tensor, i: int) -> None:
+        sampling, position = d.job.sampling, len(d.verified) + i
+        if i == d.k:  # the bonus guess: a draw like the others, kept apart
+            d.bonus_guess = self._draw(logits, sampling, position)[0]
+            return
+        if d.job.min_draft_probability > 0 and _top_probability(logits, sampling) < d.job.min_draft_probability:
+            d.k = i  # not confident: stop here, and make no bonus guess
+            return
+        token, distribution = self._draw(logits, sampling, position)
+        d.drafts.append(token)
+        if distribution is not None:
+            d.distributions.append(distribution)
 
     def _catch_up_row(self, d: _Drafting) -> ForwardRow:
         """Crops the cache to its longest prefix still verified (accepted drafts stay) and
@@ -161,9 +211,9 @@ class Drafter:
 
     def _check(self, job: DraftJob) -> None:
         start = job.num_verified - len(job.tokens)
-        if start != len(job.session.verified):
+        if start > len(job.session.verified) or start < 0:
             raise FailedPrecondition(
-                f"draft session holds {len(job.session.verified)} verified tokens, request assumes {start}",
+                f"draft session holds {len(job.session.verified)} verified tokens, request starts at {start}",
                 len(job.session.verified),
             )
         require(job.num_verified >= 1, "the verified sequence must not be empty")
@@ -171,6 +221,7 @@ class Drafter:
             1 <= job.num_speculative_tokens <= self.config.max_speculative_tokens,
             f"num_speculative_tokens must lie in 1..{self.config.max_speculative_tokens}",
         )
+        require(0 <= job.min_draft_probability <= 1, "min_draft_probability must lie in [0, 1]")
         check_token_ids(job.tokens, self.loaded.vocab_size, "tokens")
         require(job.num_verified <= self.loaded.max_context_length, "the sequence exceeds the draft's context window")
 
@@ -183,6 +234,25 @@ class Drafter:
         ids, q = truncate_to_support(probs, self.config.support_size)
         token = sample_sparse(ids, q, sampling.seed, position)
         return token, SparseDistribution(tuple(ids.tolist()), tuple(q.tolist()))
+
+
+def ngram_drafts(tokens: list[int], k: int, max_n: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
+    tokens (of at most max_n tokens) that occurred before; [] when no suffix repeats."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), 0, -1):
+        suffix = tokens[length - n :]
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def _top_probability(logits: torch.Tensor, sampling: SamplingParams) -> float:
+    """How sure the draft is of its next token: its largest probability, as sampled."""
+    if sampling.is_greedy:
+        return float(torch.softmax(logits.float(), -1).max())
+    return float(processed_probs(logits[None], sampling)[0].max())
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -35,7 +35,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             for request in request_iterator:
                 started = time.perf_counter()
                 if session is None:
-                    session = self._drafter.open_session(request.session_id)
+                    session = self._drafter.open_session(request.session_id, request.method)
                 proposal = self._propose(session, request)
                 yield draft_pb2.DraftResponse(
                     num_verified=proposal.num_verified,
@@ -43,6 +43,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     draft_distributions=[d.to_proto() for d in proposal.draft_distributions],
                     draft_seconds=time.perf_counter() - started,
                     batch_size=proposal.batch_size,
+                    bonus_guess=proposal.bonus_guess,
                 )
         finally:
             if session is not None:
@@ -56,9 +57,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             num_verified=request.num_verified,
             num_speculative_tokens=request.num_speculative_tokens,
             sampling=SamplingParams.from_proto(request.sampling),
+            min_draft_probability=request.min_draft_probability,
+            want_bonus_guess=request.want_bonus_guess,
         )
         attributes = {"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": "Draft",
-                      "specserve.k": request.num_speculative_tokens}  # fmt: skip
+                      "specserve.k": request.num_speculative_tokens, "specserve.method": session.method}  # fmt: skip
         with tracer().start_as_current_span(
             "specserve.v1.DraftService/Draft propose",
             context=extract(request.trace_context),

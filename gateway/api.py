@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.backends import ServedModel
+from gateway.config import GatewayConfig
 from gateway.generation import GenerationPlan
 from specserve.sampling import SamplingParams
 
@@ -43,8 +44,10 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 class Speculation(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["draft_model", "none"] | None = None
+    method: Literal["draft_model", "early_exit", "ngram", "none"] | None = None
     num_speculative_tokens: int | None = None
+    adaptive: bool | None = None
+    min_draft_probability: float | None = None
 
 
 class StreamOptions(BaseModel):
@@ -154,8 +157,7 @@ def plan_for(
     request: _GenerationRequest,
     prompt_token_ids: list[int],
     served: ServedModel,
-    default_method: str,
-    default_k: int,
+    defaults: GatewayConfig,
 ) -> GenerationPlan:
     check_unsupported(request)
     if not prompt_token_ids:
@@ -178,18 +180,32 @@ def plan_for(
             "max_tokens",
         )
     speculation = request.speculation or Speculation()
-    k = default_k if speculation.num_speculative_tokens is None else speculation.num_speculative_tokens
+    k = (
+        defaults.num_speculative_tokens
+        if speculation.num_speculative_tokens is None
+        else speculation.num_speculative_tokens
+    )
     if not 1 <= k <= served.max_speculative_tokens:
         raise bad_request(
             f"speculation.num_speculative_tokens must lie in 1..{served.max_speculative_tokens}",
             "speculation.num_speculative_tokens",
         )
+    min_p = (
+        defaults.min_draft_probability
+        if speculation.min_draft_probability is None
+        else speculation.min_draft_probability
+    )
+    if not 0 <= min_p <= 1:
+        raise bad_request("speculation.min_draft_probability must lie in [0, 1]", "speculation.min_draft_probability")
     return GenerationPlan(
         prompt_token_ids=prompt_token_ids,
         max_tokens=max_tokens,
         sampling=sampling_for(request),
-        method=speculation.method or default_method,
+        method=speculation.method or defaults.method,
         num_speculative_tokens=min(k, served.max_speculative_tokens),
+        adaptive=defaults.adaptive if speculation.adaptive is None else speculation.adaptive,
+        min_draft_probability=min_p,
+        k_bounds=(defaults.adaptive_k_min, min(defaults.adaptive_k_max, served.max_speculative_tokens)),
     )
 
 

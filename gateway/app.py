@@ -52,7 +52,7 @@ class Gateway:
 
     def plan(self, request, prompt_token_ids: list[int]) -> GenerationPlan:
         check_model(request.model, self.served)
-        return plan_for(request, prompt_token_ids, self.served, self.config.method, self.config.num_speculative_tokens)
+        return plan_for(request, prompt_token_ids, self.served, self.config)
 
     def completion_prompt(self, request: CompletionRequest) -> list[int]:
         prompt = request.prompt

@@ -100,9 +100,13 @@ class Backends:
 class DraftStream:
     """One session's draft stream: sends only the tokens verified since the last request."""
 
-    def __init__(self, backends: Backends, session_id: str):
+    def __init__(
+        self, backends: Backends, session_id: str, method: str = "draft_model", min_draft_probability: float = 0.0
+    ):
         self._backends = backends
         self._session_id = session_id
+        self._method = method
+        self._min_draft_probability = min_draft_probability
         self._call = None
         self._sent = 0  # verified tokens the draft service has been told of
         self.last_request_bytes = 0
@@ -120,6 +124,8 @@ class DraftStream:
             num_speculative_tokens=k,
             sampling=sampling,
             trace_context=trace_context,
+            method=self._method,
+            min_draft_probability=self._min_draft_probability,
         )
         self.last_request_bytes = request.ByteSize()
         await self._call.write(request)

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 from specserve.config import TracingOptions, check, field
 from specserve.paths import DEMO_TARGET
 
+METHODS = ("draft_model", "early_exit", "ngram", "none")
+
 
 @dataclass(frozen=True)
 class GatewayConfig(TracingOptions):
@@ -15,7 +17,17 @@ class GatewayConfig(TracingOptions):
     tokenizer: str = field(str(DEMO_TARGET), "directory holding the target's tokenizer files")
     served_model_name: str = field("", "model name clients send; default: the verify service's")
     num_speculative_tokens: int = field(4, "K used when a request does not set speculation.num_speculative_tokens")
-    method: str = field("draft_model", "speculation method when a request sets none: draft_model or none")
+    method: str = field(
+        "draft_model", "speculation method when a request sets none: draft_model, early_exit, ngram or none"
+    )
+    adaptive: bool = field(
+        False, "adapt K per session when a request does not say: grow after full acceptance, shrink after a rejection"
+    )
+    adaptive_k_min: int = field(1, "smallest K the adaptive schedule goes to")
+    adaptive_k_max: int = field(8, "largest K the adaptive schedule goes to")
+    min_draft_probability: float = field(
+        0.0, "stop drafting once the draft's top probability falls below this (0: never)"
+    )
     startup_timeout_s: float = field(300.0, "how long to wait at start for both services to answer")
     rpc_timeout_s: float = field(60.0, "deadline of each call to a service")
 
@@ -23,6 +35,8 @@ class GatewayConfig(TracingOptions):
         self.check_tracing()
         check(0 < self.port < 65536, f"port must lie in 1..65535, got {self.port}")
         check(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1")
-        check(self.method in ("draft_model", "none"), f"method must be draft_model or none, got {self.method!r}")
+        check(self.method in METHODS, f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        check(1 <= self.adaptive_k_min <= self.adaptive_k_max, "need 1 <= adaptive_k_min <= adaptive_k_max")
+        check(0 <= self.min_draft_probability <= 1, "min_draft_probability must lie in [0, 1]")
         check(self.startup_timeout_s > 0, "startup_timeout_s must be > 0")
         check(self.rpc_timeout_s > 0, "rpc_timeout_s must be > 0")

@@ -31,8 +31,26 @@ class GenerationPlan:
     prompt_token_ids: list[int]
     max_tokens: int
     sampling: SamplingParams
-    method: str  # "draft_model" or "none"
-    num_speculative_tokens: int
+    method: str  # draft_model | early_exit | ngram | none
+    num_speculative_tokens: int  # K, where an adaptive schedule starts
+    adaptive: bool = False
+    min_draft_probability: float = 0.0
+    k_bounds: tuple[int, int] = (1, 8)  # the adaptive schedule's range
+
+
+class KSchedule:
+    """Per-session K: grows by one after a round that kept every draft, falls to what was
+    kept plus one after a rejection (the first word of a new idea wants few drafts)."""
+
+    def __init__(self, plan: GenerationPlan):
+        self.k = plan.num_speculative_tokens
+        self.adaptive = plan.adaptive
+        self.low, self.high = plan.k_bounds
+
+    def update(self, k: int, num_accepted: int) -> None:
+        if not self.adaptive or k == 0:
+            return
+        self.k = min(self.high, self.k + 1) if num_accepted == k else max(self.low, num_accepted + 1)
 
 
 @dataclass
@@ -107,7 +125,10 @@ async def generate(
     session_id = uuid.uuid4().hex
     sampling = plan.sampling.to_proto()
     sequence = list(plan.prompt_token_ids)
-    drafter = DraftStream(backends, session_id) if plan.method == "draft_model" else None
+    drafter = (
+        DraftStream(backends, session_id, plan.method, plan.min_draft_probability) if plan.method != "none" else None
+    )
+    schedule = KSchedule(plan)
     try:
         with tracer().start_as_current_span("prefill", context=parent):
             first = await _prefill(backends, session_id, sequence, sampling)
@@ -115,11 +136,12 @@ async def generate(
         yield [first]
         generated = 1
         while generated < plan.max_tokens:
-            k = min(plan.num_speculative_tokens, plan.max_tokens - generated - 1) if drafter else 0
+            k = min(schedule.k, plan.max_tokens - generated - 1) if drafter else 0
             with tracer().start_as_current_span("round", context=parent) as span:
                 round_ = await _round(backends, drafter, session_id, sequence, k, sampling)
                 span.set_attributes(_round_attributes(round_))
             _account(round_, stats, metrics)
+            schedule.update(round_.k, round_.num_accepted)
             sequence.extend(round_.new_tokens)
             generated += len(round_.new_tokens)
             yield round_.new_tokens

@@ -84,7 +84,7 @@ def _commands(args: argparse.Namespace) -> dict[str, list[str]]:
         "verify": [*python, "verify_service", "--model", args.target, "--port", str(args.verify_port), "--device", args.device,
                    "--metrics-port", str(args.verify_metrics_port)],
         "draft": [*python, "draft_service", "--model", args.draft, "--port", str(args.draft_port), "--device", args.device,
-                  "--metrics-port", str(args.draft_metrics_port)],
+                  "--metrics-port", str(args.draft_metrics_port), "--early-exit-model", args.target],
         "gateway": [
             *python, "gateway", "--host", args.host, "--port", str(args.port), "--tokenizer", args.target,
             "--draft-address", f"127.0.0.1:{args.draft_port}", "--verify-address", f"127.0.0.1:{args.verify_port}",

@@ -51,15 +51,16 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def load_for_service(config) -> LoadedModel:
-    """Loads config.model as a service config asks (device, dtype, threads, backend, slots)."""
+def load_for_service(config, model: str | None = None, num_layers: int | None = None) -> LoadedModel:
+    """Loads config.model (or model) as a service config asks (device, dtype, threads,
+    backend, slots); num_layers keeps the first layers only (early exit)."""
     from specserve.config import resolve_device
 
     device = resolve_device(config.device)
     if config.threads:
         torch.set_num_threads(config.threads)
     return load_model(
-        config.model,
+        model or config.model,
         device,
         resolve_dtype(config.dtype, device),
         name=getattr(config, "served_model_name", ""),
@@ -67,6 +68,7 @@ def load_for_service(config) -> LoadedModel:
         num_slots=config.max_sessions,
         max_model_len=config.max_model_len,
         matmul_dtype=config.matmul_dtype,
+        num_layers=num_layers,
     )
 
 
@@ -79,6 +81,7 @@ def load_model(
     num_slots: int = 16,
     max_model_len: int = 4096,
     matmul_dtype: str = "auto",
+    num_layers: int | None = None,
 ) -> LoadedModel:
     from transformers import AutoConfig
 
@@ -87,7 +90,11 @@ def load_model(
     tokenizer = load_tokenizer(path)
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     matmul = None if matmul_dtype == "auto" else resolve_dtype(matmul_dtype, device)
-    loaded_backend = _load_backend(directory, config, device, dtype, backend, num_slots, max_model_len, matmul)
+    if num_layers is not None and backend == "transformers":
+        raise ValueError("early exit (num_layers) needs the runner backend")
+    loaded_backend = _load_backend(
+        directory, config, device, dtype, backend, num_slots, max_model_len, matmul, num_layers
+    )
     log.info(
         "loaded %s with the %s backend (%s, %s%s) in %.1f s",
         directory, loaded_backend.name, device, dtype, _matmul_note(loaded_backend, dtype), time.perf_counter() - started,
@@ -112,7 +119,15 @@ def _matmul_note(backend: Backend, dtype: torch.dtype) -> str:
 
 
 def _load_backend(
-    directory: Path, config, device, dtype, backend: str, num_slots: int, max_model_len: int, matmul_dtype
+    directory: Path,
+    config,
+    device,
+    dtype,
+    backend: str,
+    num_slots: int,
+    max_model_len: int,
+    matmul_dtype,
+    num_layers=None,
 ) -> Backend:
     from specserve.runner import LlamaRunner, UnsupportedModel
 
@@ -120,9 +135,10 @@ def _load_backend(
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if backend in ("auto", "runner"):
         try:
-            return RunnerBackend(LlamaRunner(str(directory), device, dtype, num_slots, max_model_len, matmul_dtype))
+            runner = LlamaRunner(str(directory), device, dtype, num_slots, max_model_len, matmul_dtype, num_layers)
+            return RunnerBackend(runner)
         except UnsupportedModel as error:
-            if backend == "runner":
+            if backend == "runner" or num_layers is not None:
                 raise
             log.warning("the runner cannot serve %s (%s); falling back to transformers", directory, error)
     from transformers import AutoModelForCausalLM

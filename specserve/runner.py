@@ -9,6 +9,7 @@ what lies past it is overwritten by the next forward and masked until then.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -134,13 +135,17 @@ class LlamaRunner:
         num_slots: int,
         max_len: int,
         matmul_dtype: torch.dtype | None = None,
+        num_layers: int | None = None,
     ):
         """dtype is what activations, norms and the KV cache use; matmul_dtype is what the
-        weight matrices are kept and multiplied in (None: see auto_matmul_dtype)."""
+        weight matrices are kept and multiplied in (None: see auto_matmul_dtype). num_layers
+        keeps only the first layers (then the final norm and LM head): an early-exit model."""
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
         self.spec = RunnerSpec.from_config(config)
+        if num_layers is not None:
+            self.spec = dataclasses.replace(self.spec, num_layers=min(num_layers, self.spec.num_layers))
         self.device, self.dtype = device, dtype
         self.max_len = min(max_len, self.spec.max_positions)
         self.inv_freq, self.rope_scaling = _rope_parameters(config, device)

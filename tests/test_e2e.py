@@ -47,18 +47,28 @@ def test_greedy_speculative_equals_target_only_and_transformers(stack):
         return token_ids(stack.url, prompt, max_tokens=40, temperature=0,
                          speculation={"method": method, "num_speculative_tokens": k})  # fmt: skip
 
-    jobs = [
-        (prompt, method, k) for prompt in PROMPTS for method, k in (("draft_model", 4), ("draft_model", 2), ("none", 1))
-    ]
+    methods = (("draft_model", 4), ("draft_model", 2), ("early_exit", 3), ("ngram", 4), ("none", 1))
+    jobs = [(prompt, method, k) for prompt in PROMPTS for method, k in methods]
     with ThreadPoolExecutor(len(jobs)) as pool:  # all at once: sessions share batches
         results = dict(zip(jobs, pool.map(run, jobs)))
     model = AutoModelForCausalLM.from_pretrained(stack.target_dir).eval()
     for prompt in PROMPTS:
         reference = results[(prompt, "none", 1)]
         assert len(reference) == 40 or reference[-1] == 256
-        assert results[(prompt, "draft_model", 4)] == reference
-        assert results[(prompt, "draft_model", 2)] == reference
+        for method, k in methods:
+            assert results[(prompt, method, k)] == reference, (method, k)
         assert reference == target_greedy(model, prompt, 40)
+
+
+def test_adaptive_k_and_confidence_stop_keep_greedy_output(stack):
+    reference = token_ids(stack.url, PROMPTS[1], max_tokens=40, temperature=0, speculation={"method": "none"})
+    for speculation in ({"adaptive": True, "num_speculative_tokens": 2}, {"min_draft_probability": 0.6},
+                        {"adaptive": True, "min_draft_probability": 0.3, "method": "ngram"}):  # fmt: skip
+        body = complete(stack.url, prompt=list(PROMPTS[1]), max_tokens=40, temperature=0, return_token_ids=True,
+                        return_timings=True, speculation=speculation)  # fmt: skip
+        assert body["choices"][0]["token_ids"] == reference, speculation
+    sent = body["usage"]["speculation"]
+    assert sent["num_drafts"] >= 1  # ngram found repeats to copy in this looping output
 
 
 def test_speculation_usage_is_reported_and_drafts_are_accepted(stack):

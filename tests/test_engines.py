@@ -55,12 +55,12 @@ def test_batched_verification_equals_each_row_alone(tiny_pair):
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.9, seed=5)])
 def test_batched_drafting_equals_each_session_alone(tiny_pair, sampling):
     _, draft_dir = tiny_pair
-    drafter = Drafter(load_model(str(draft_dir), CPU, torch.float32), DraftConfig())
+    drafter = Drafter({"draft_model": load_model(str(draft_dir), CPU, torch.float32)}, DraftConfig())
     prefixes = [(1, 2, 3), (9,) * 12, (200, 100)]
     ks = [4, 2, 3]
 
     def propose(indices):
-        sessions = {i: drafter.open_session(str(i)) for i in indices}
+        sessions = {i: drafter.open_session(str(i), "draft_model") for i in indices}
         jobs = [DraftJob(sessions[i], prefixes[i], len(prefixes[i]), ks[i], sampling) for i in indices]
         first = drafter.step(jobs)
         # A second round: the first proposal's first draft was accepted, then a new token.
@@ -81,3 +81,27 @@ def test_batched_drafting_equals_each_session_alone(tiny_pair, sampling):
             # sum in another order), which moves a draw only at a measure-zero boundary.
             assert q_got.token_ids == q_want.token_ids
             assert torch.allclose(torch.tensor(q_got.probs), torch.tensor(q_want.probs), atol=1e-5)
+
+
+def test_ngram_drafts_copy_after_the_latest_longest_repeat():
+    from draft_service.engine import ngram_drafts
+
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    assert ngram_drafts(tokens, 2, max_n=3) == [7, 8]  # the latest [1, 2, 3] was followed by 7, 8
+    assert ngram_drafts(tokens, 5, max_n=3) == [7, 8, 1, 2, 3]
+    assert ngram_drafts([4, 5, 6], 3, max_n=3) == []  # nothing repeats
+    assert ngram_drafts([5, 5], 3, max_n=3) == [5]
+
+
+def test_confidence_stop_and_bonus_guess(tiny_pair):
+    _, draft_dir = tiny_pair
+    drafter = Drafter({"draft_model": load_model(str(draft_dir), CPU, torch.float32)}, DraftConfig())
+    session = drafter.open_session("s", "draft_model")
+    sure = drafter.step([DraftJob(session, (1, 2, 3), 3, 4, GREEDY, want_bonus_guess=True)])[0]
+    assert len(sure.draft_token_ids) == 4 and sure.bonus_guess >= 0
+    other = drafter.open_session("t", "draft_model")
+    shy = drafter.step([DraftJob(other, (1, 2, 3), 3, 4, GREEDY, min_draft_probability=1.0, want_bonus_guess=True)])[0]
+    assert shy.draft_token_ids == () and shy.bonus_guess == -1  # never sure enough: no drafts
+    # Rewinding: a request that starts before the session's end drops what lay past it.
+    again = drafter.step([DraftJob(session, (1, 2, 3), 3, 4, GREEDY)])[0]
+    assert again.draft_token_ids == sure.draft_token_ids
