@@ -48,6 +48,7 @@ class Speculation(BaseModel):
     num_speculative_tokens: int | None = None
     adaptive: bool | None = None
     min_draft_probability: float | None = None
+    pipeline: bool | None = None
 
 
 class StreamOptions(BaseModel):
@@ -206,6 +207,7 @@ def plan_for(
         adaptive=defaults.adaptive if speculation.adaptive is None else speculation.adaptive,
         min_draft_probability=min_p,
         k_bounds=(defaults.adaptive_k_min, min(defaults.adaptive_k_max, served.max_speculative_tokens)),
+        pipeline=defaults.pipeline if speculation.pipeline is None else speculation.pipeline,
     )
 
 

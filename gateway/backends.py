@@ -112,20 +112,29 @@ class DraftStream:
         self.last_request_bytes = 0
 
     async def propose(
-        self, sequence: list[int], k: int, sampling: common_pb2.SamplingParams, trace_context: dict[str, str]
+        self,
+        sequence: list[int],
+        k: int,
+        sampling: common_pb2.SamplingParams,
+        trace_context: dict[str, str],
+        want_bonus_guess: bool = False,
+        guessed: list[int] | tuple[int, ...] = (),
     ) -> draft_pb2.DraftResponse:
+        """Drafts after sequence, or, for a pipelined round, after sequence + guessed (tokens
+        not yet verified: the service is rewound past them unless confirm() says they held)."""
         if self._call is None:
             self._call = self._backends.draft.Draft(timeout=None)
             self._sent = 0
         request = draft_pb2.DraftRequest(
             session_id=self._session_id,
-            tokens=sequence[self._sent :],
-            num_verified=len(sequence),
+            tokens=[*sequence[self._sent :], *guessed],
+            num_verified=len(sequence) + len(guessed),
             num_speculative_tokens=k,
             sampling=sampling,
             trace_context=trace_context,
             method=self._method,
             min_draft_probability=self._min_draft_probability,
+            want_bonus_guess=want_bonus_guess,
         )
         self.last_request_bytes = request.ByteSize()
         await self._call.write(request)
@@ -134,6 +143,10 @@ class DraftStream:
             raise RuntimeError("the draft service ended the stream")
         self._sent = len(sequence)
         return response
+
+    def confirm(self, length: int) -> None:
+        """The guessed tokens of the last proposal were verified: the service holds length tokens."""
+        self._sent = length
 
     def reset(self) -> None:
         """Drops a broken stream; the next proposal reopens it with the whole sequence."""

@@ -25,6 +25,7 @@ class GatewayConfig(TracingOptions):
     )
     adaptive_k_min: int = field(1, "smallest K the adaptive schedule goes to")
     adaptive_k_max: int = field(8, "largest K the adaptive schedule goes to")
+    pipeline: bool = field(False, "draft round r + 1 while round r is verified, when a request does not say")
     min_draft_probability: float = field(
         0.0, "stop drafting once the draft's top probability falls below this (0: never)"
     )

@@ -7,6 +7,7 @@ the whole sequence; a verifier that lost the session is prefilled again from the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -21,7 +22,7 @@ from gateway.backends import Backends, DraftStream
 from specserve.metrics import GatewayMetrics
 from specserve.sampling import SamplingParams
 from specserve.telemetry import inject, tracer
-from specserve.v1 import verify_pb2
+from specserve.v1 import draft_pb2, verify_pb2
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class GenerationPlan:
     adaptive: bool = False
     min_draft_probability: float = 0.0
     k_bounds: tuple[int, int] = (1, 8)  # the adaptive schedule's range
+    pipeline: bool = False  # draft round r + 1 while round r is verified
 
 
 class KSchedule:
@@ -48,9 +50,12 @@ class KSchedule:
         self.low, self.high = plan.k_bounds
 
     def update(self, k: int, num_accepted: int) -> None:
+        self.k = self.k_after(k, num_accepted)
+
+    def k_after(self, k: int, num_accepted: int) -> int:
         if not self.adaptive or k == 0:
-            return
-        self.k = min(self.high, self.k + 1) if num_accepted == k else max(self.low, num_accepted + 1)
+            return self.k
+        return min(self.high, self.k + 1) if num_accepted == k else max(self.low, num_accepted + 1)
 
 
 @dataclass
@@ -66,6 +71,7 @@ class RoundTimings:
     verify_forward_seconds: float = 0.0
     verify_kernel_seconds: float = 0.0
     wire_bytes: int = 0  # serialized draft and verify messages, both ways
+    pipelined_rounds: int = 0  # rounds whose drafts were made while the previous one was verified
     batch_sizes: dict[int, int] = field(default_factory=dict)
     accepted_per_position: list[int] = field(default_factory=list)  # rounds whose draft i was accepted
 
@@ -107,6 +113,7 @@ class Round:
     verify_forward_seconds: float = 0.0
     verify_kernel_seconds: float = 0.0
     wire_bytes: int = 0
+    pipelined: bool = False  # drafted during the previous round's verification
 
     @property
     def wire_seconds(self) -> float:
@@ -122,49 +129,105 @@ async def generate(
 ) -> AsyncIterator[list[int]]:
     """Yields each round's new verified tokens; closing the iterator ends both sessions.
     Spans (prefill, one per round) are children of parent; each round feeds metrics."""
-    session_id = uuid.uuid4().hex
-    sampling = plan.sampling.to_proto()
-    sequence = list(plan.prompt_token_ids)
-    drafter = (
-        DraftStream(backends, session_id, plan.method, plan.min_draft_probability) if plan.method != "none" else None
-    )
-    schedule = KSchedule(plan)
+    session = _Session(backends, plan, uuid.uuid4().hex)
     try:
         with tracer().start_as_current_span("prefill", context=parent):
-            first = await _prefill(backends, session_id, sequence, sampling)
-        sequence.append(first)
+            first = await _prefill(backends, session.id, session.sequence, session.sampling)
+        session.sequence.append(first)
         yield [first]
         generated = 1
         while generated < plan.max_tokens:
-            k = min(schedule.k, plan.max_tokens - generated - 1) if drafter else 0
+            k = min(session.schedule.k, plan.max_tokens - generated - 1) if session.drafter else 0
             with tracer().start_as_current_span("round", context=parent) as span:
-                round_ = await _round(backends, drafter, session_id, sequence, k, sampling)
+                round_ = await session.round(k, remaining=plan.max_tokens - generated)
                 span.set_attributes(_round_attributes(round_))
             _account(round_, stats, metrics)
-            schedule.update(round_.k, round_.num_accepted)
-            sequence.extend(round_.new_tokens)
+            session.schedule.update(round_.k, round_.num_accepted)
+            session.sequence.extend(round_.new_tokens)
             generated += len(round_.new_tokens)
             yield round_.new_tokens
     finally:
-        if drafter is not None:
-            await drafter.close()
-        await _release(backends, session_id)
+        await session.close()
 
 
-async def _round(backends: Backends, drafter, session_id: str, sequence: list[int], k: int, sampling) -> Round:
-    drafts, distributions, draft_s, draft_server_s, draft_bytes = [], [], 0.0, 0.0, 0
-    if k > 0:
-        drafts, distributions, draft_s, draft_server_s, draft_bytes = await _draft(drafter, sequence, k, sampling)
-    started = time.perf_counter()
-    request, response = await _verify(backends, session_id, sequence, drafts, distributions, sampling)
-    verify_s = time.perf_counter() - started
-    if response is None:  # the verifier lost the session: prefilled again, one token
-        new = [await _prefill(backends, session_id, sequence, sampling)]
-        return Round(new, 0, 0, 1, draft_s, draft_server_s, time.perf_counter() - started, 0.0)
-    new = [*drafts[: response.num_accepted], response.next_token_id]
-    wire_bytes = draft_bytes + request.ByteSize() + response.ByteSize()
-    return Round(new, len(drafts), response.num_accepted, response.batch_size, draft_s, draft_server_s, verify_s,
-                 response.server_seconds, response.forward_seconds, response.kernel_seconds, wire_bytes)  # fmt: skip
+class _Session:
+    """One request's state across rounds: its sequence, draft stream and K schedule, and the
+    proposal drafted ahead for the next round when pipelining."""
+
+    def __init__(self, backends: Backends, plan: GenerationPlan, session_id: str):
+        self.backends = backends
+        self.plan = plan
+        self.id = session_id
+        self.sampling = plan.sampling.to_proto()
+        self.sequence = list(plan.prompt_token_ids)
+        self.drafter = (
+            DraftStream(backends, session_id, plan.method, plan.min_draft_probability)
+            if plan.method != "none"
+            else None
+        )
+        self.schedule = KSchedule(plan)
+        self.prefetched: draft_pb2.DraftResponse | None = None
+
+    async def round(self, k: int, remaining: int) -> Round:
+        drafts, distributions, guess, draft_s, draft_server_s, draft_bytes = await self._drafts(k)
+        started = time.perf_counter()
+        verify = asyncio.ensure_future(
+            _verify(self.backends, self.id, self.sequence, drafts, distributions, self.sampling)
+        )
+        ahead = self._draft_ahead(drafts, guess, remaining)
+        request, response = await verify
+        verify_s = time.perf_counter() - started
+        await self._settle(ahead, drafts, guess, response)
+        if response is None:  # the verifier lost the session: prefilled again, one token
+            new = [await _prefill(self.backends, self.id, self.sequence, self.sampling)]
+            return Round(new, 0, 0, 1, draft_s, draft_server_s, time.perf_counter() - started, 0.0)
+        new = [*drafts[: response.num_accepted], response.next_token_id]
+        wire_bytes = draft_bytes + request.ByteSize() + response.ByteSize()
+        return Round(new, len(drafts), response.num_accepted, response.batch_size, draft_s, draft_server_s, verify_s,
+                     response.server_seconds, response.forward_seconds, response.kernel_seconds, wire_bytes,
+                     pipelined=draft_s == 0 and bool(drafts))  # fmt: skip
+
+    async def _drafts(self, k: int):
+        """(drafts, distributions, bonus guess, seconds, service seconds, bytes): the proposal
+        drafted ahead during the last round if it still applies, else a fresh one."""
+        if self.prefetched is not None and k > 0:
+            ahead, self.prefetched = self.prefetched, None
+            drafts = list(ahead.draft_token_ids[:k])
+            guess = ahead.bonus_guess if len(drafts) == len(ahead.draft_token_ids) else -1
+            return drafts, list(ahead.draft_distributions[:k]), guess, 0.0, 0.0, ahead.ByteSize()
+        self.prefetched = None
+        if k == 0:
+            return [], [], -1, 0.0, 0.0, 0
+        drafts, distributions, guess, seconds, server, wire, _ = await _draft(
+            self.drafter, self.sequence, k, self.sampling, self.plan.pipeline
+        )
+        return drafts, distributions, guess, seconds, server, wire
+
+    def _draft_ahead(self, drafts: list[int], guess: int, remaining: int):
+        """While the verifier checks this round, draft the next one as if every draft and the
+        draft's own bonus guess were accepted."""
+        if not (self.plan.pipeline and drafts and guess >= 0):
+            return None
+        full_k = self.schedule.k_after(len(drafts), len(drafts))
+        k_next = min(full_k, remaining - len(drafts) - 2)
+        if k_next < 1:
+            return None
+        guessed = [*drafts, guess]
+        return asyncio.ensure_future(_draft(self.drafter, self.sequence, k_next, self.sampling, True, guessed))
+
+    async def _settle(self, ahead, drafts: list[int], guess: int, response) -> None:
+        if ahead is None:
+            return
+        proposal = await ahead
+        held = response is not None and response.num_accepted == len(drafts) and response.next_token_id == guess
+        if held and proposal[0]:
+            self.drafter.confirm(len(self.sequence) + len(drafts) + 1)
+            self.prefetched = proposal[-1]
+
+    async def close(self) -> None:
+        if self.drafter is not None:
+            await self.drafter.close()
+        await _release(self.backends, self.id)
 
 
 def _round_attributes(round_: Round) -> dict:
@@ -188,6 +251,7 @@ def _account(round_: Round, stats: SpeculationStats, metrics: GatewayMetrics | N
     timings.verify_forward_seconds += round_.verify_forward_seconds
     timings.verify_kernel_seconds += round_.verify_kernel_seconds
     timings.wire_bytes += round_.wire_bytes
+    timings.pipelined_rounds += int(round_.pipelined)
     timings.batch_sizes[round_.batch_size] = timings.batch_sizes.get(round_.batch_size, 0) + 1
     accepted = timings.accepted_per_position
     accepted.extend([0] * (round_.k - len(accepted)))
@@ -209,31 +273,27 @@ async def _prefill(backends: Backends, session_id: str, sequence: list[int], sam
     return response.next_token_id
 
 
-async def _draft(
-    drafter: DraftStream, sequence: list[int], k: int, sampling
-) -> tuple[list[int], list, float, float, int]:
-    """(drafts, distributions, seconds as seen here, the service's own seconds, bytes both
-    ways); no drafts (a target-only round) when the draft service fails."""
+async def _draft(drafter: DraftStream, sequence: list[int], k: int, sampling, want_bonus_guess: bool = False,
+                 guessed: list[int] = ()):  # fmt: skip
+    """(drafts, distributions, bonus guess, seconds as seen here, the service's own seconds,
+    bytes both ways, the response); no drafts (a target-only round) when the draft service fails."""
     started = time.perf_counter()
-    attributes = {"rpc.system": "grpc", "rpc.service": "specserve.v1.DraftService", "rpc.method": "Draft"}
+    attributes = {"rpc.system": "grpc", "rpc.service": "specserve.v1.DraftService", "rpc.method": "Draft",
+                  "specserve.pipelined": bool(guessed)}  # fmt: skip
     with tracer().start_as_current_span(
         "specserve.v1.DraftService/Draft propose", kind=SpanKind.CLIENT, attributes=attributes
     ):
         try:
-            response = await drafter.propose(sequence, k, sampling, inject({}))
+            response = await drafter.propose(sequence, k, sampling, inject({}), want_bonus_guess, guessed)
         except (grpc.RpcError, RuntimeError, TimeoutError) as error:
             log.warning("draft failed (%s); this round runs target-only", _describe(error))
             drafter.reset()
-            return [], [], time.perf_counter() - started, 0.0, 0
+            return [], [], -1, time.perf_counter() - started, 0.0, 0, None
     seconds = time.perf_counter() - started
     wire_bytes = drafter.last_request_bytes + response.ByteSize()
-    return (
-        list(response.draft_token_ids),
-        list(response.draft_distributions),
-        seconds,
-        response.draft_seconds,
-        wire_bytes,
-    )
+    guess = response.bonus_guess if want_bonus_guess else -1
+    return (list(response.draft_token_ids), list(response.draft_distributions), guess, seconds, response.draft_seconds,
+            wire_bytes, response)  # fmt: skip
 
 
 async def _verify(

@@ -63,10 +63,13 @@ def test_greedy_speculative_equals_target_only_and_transformers(stack):
 def test_adaptive_k_and_confidence_stop_keep_greedy_output(stack):
     reference = token_ids(stack.url, PROMPTS[1], max_tokens=40, temperature=0, speculation={"method": "none"})
     for speculation in ({"adaptive": True, "num_speculative_tokens": 2}, {"min_draft_probability": 0.6},
+                        {"pipeline": True}, {"pipeline": True, "adaptive": True, "method": "early_exit"},
                         {"adaptive": True, "min_draft_probability": 0.3, "method": "ngram"}):  # fmt: skip
         body = complete(stack.url, prompt=list(PROMPTS[1]), max_tokens=40, temperature=0, return_token_ids=True,
                         return_timings=True, speculation=speculation)  # fmt: skip
         assert body["choices"][0]["token_ids"] == reference, speculation
+        if speculation.get("pipeline") and "method" not in speculation:
+            assert body["usage"]["timings"]["pipelined_rounds"] >= 1  # some guesses held
     sent = body["usage"]["speculation"]
     assert sent["num_drafts"] >= 1  # ngram found repeats to copy in this looping output
 
