@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
@@ -49,6 +50,7 @@ class Gateway:
     tokenizer: object
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     backends: Backends | None = None
+    in_flight: int = 0  # requests being generated (touched only on the event loop)
 
     def plan(self, request, prompt_token_ids: list[int]) -> GenerationPlan:
         check_model(request.model, self.served)
@@ -78,7 +80,7 @@ def create_app(config: GatewayConfig, served: ServedModel, tokenizer) -> FastAPI
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        gateway.backends = Backends(config.draft_address, config.verify_address, config.rpc_timeout_s)
+        gateway.backends = Backends(config.draft_address, config.verify_address, config.deadlines)
         yield
         await gateway.backends.close()
 
@@ -88,6 +90,7 @@ def create_app(config: GatewayConfig, served: ServedModel, tokenizer) -> FastAPI
     app = FastAPI(title="specserve gateway", lifespan=lifespan, telemetry=telemetry)
     app.state.gateway = gateway
     _add_error_handlers(app)
+    app.add_middleware(Guard, gateway=gateway)
 
     @app.get("/health")
     async def health():
@@ -118,6 +121,39 @@ def create_app(config: GatewayConfig, served: ServedModel, tokenizer) -> FastAPI
     return app
 
 
+class Guard:
+    """ASGI middleware: API keys on every route but /health, and a bound on the requests in
+    flight (a streamed request counts until its stream ends)."""
+
+    def __init__(self, app, gateway: Gateway):
+        self.app = app
+        self.gateway = gateway
+        self.keys = gateway.config.api_key_set
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.keys and scope["path"] != "/health" and not self._authorised(scope):
+            error = ApiError(401, "a valid API key is required: 'Authorization: Bearer KEY'", code="invalid_api_key")
+            reply = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            return await reply(scope, receive, send)
+        if not (scope["method"] == "POST" and scope["path"].startswith("/v1/")):
+            return await self.app(scope, receive, send)
+        if self.gateway.in_flight >= self.gateway.config.max_concurrent_requests:
+            error = ApiError(429, "the server is at capacity; retry shortly", code="too_many_requests")
+            return await JSONResponse(error.body(), status_code=429, headers={"Retry-After": "1"})(scope, receive, send)
+        self.gateway.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.gateway.in_flight -= 1
+
+    def _authorised(self, scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, key = header.partition(" ")
+        return scheme.lower() == "bearer" and any(hmac.compare_digest(key, k) for k in self.keys)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
@@ -133,9 +169,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(grpc.aio.AioRpcError)
     async def backend_error(request: Request, error: grpc.aio.AioRpcError):
         status = _GRPC_TO_HTTP.get(error.code(), 500)
-        return JSONResponse(
-            ApiError(status, f"backend: {error.details()}", code=error.code().name.lower()).body(), status_code=status
-        )
+        headers = {"Retry-After": "1"} if status in (429, 503) else None
+        body = ApiError(status, f"backend: {error.details()}", code=error.code().name.lower()).body()
+        return JSONResponse(body, status_code=status, headers=headers)
 
 
 class _Response:

@@ -68,11 +68,23 @@ def served_model(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo, name
     )
 
 
+@dataclass(frozen=True)
+class Deadlines:
+    """How long calls may take. The draft's is short: a slow draft costs a target-only round,
+    never the request. A verifier that is down (restarting) is waited for up to verify_retry_s."""
+
+    rpc_timeout_s: float = 60.0
+    draft_timeout_s: float = 5.0
+    verify_retry_s: float = 60.0
+    draft_backoff_s: float = 1.0  # first pause after a draft failure; doubles up to 32x
+
+
 class Backends:
     """Async stubs of both services, opened inside the gateway's event loop."""
 
-    def __init__(self, draft_address: str, verify_address: str, rpc_timeout_s: float):
-        self.rpc_timeout_s = rpc_timeout_s
+    def __init__(self, draft_address: str, verify_address: str, deadlines: Deadlines):
+        self.deadlines = deadlines
+        self.rpc_timeout_s = deadlines.rpc_timeout_s
         self._draft_channel = grpc.aio.insecure_channel(draft_address, interceptors=grpc_aio_client_interceptors())
         self._verify_channel = grpc.aio.insecure_channel(verify_address, interceptors=grpc_aio_client_interceptors())
         self.draft = draft_pb2_grpc.DraftServiceStub(self._draft_channel)
@@ -110,6 +122,13 @@ class DraftStream:
         self._call = None
         self._sent = 0  # verified tokens the draft service has been told of
         self.last_request_bytes = 0
+        self._failures = 0
+        self._paused_until = 0.0
+
+    @property
+    def available(self) -> bool:
+        """False while backing off after a failure: those rounds run target-only."""
+        return time.monotonic() >= self._paused_until
 
     async def propose(
         self,
@@ -137,11 +156,12 @@ class DraftStream:
             want_bonus_guess=want_bonus_guess,
         )
         self.last_request_bytes = request.ByteSize()
-        await self._call.write(request)
-        response = await asyncio.wait_for(self._call.read(), self._backends.rpc_timeout_s)
+        await asyncio.wait_for(self._call.write(request), self._backends.deadlines.draft_timeout_s)
+        response = await asyncio.wait_for(self._call.read(), self._backends.deadlines.draft_timeout_s)
         if response is grpc.aio.EOF:
             raise RuntimeError("the draft service ended the stream")
         self._sent = len(sequence)
+        self._failures = 0
         return response
 
     def confirm(self, length: int) -> None:
@@ -149,10 +169,14 @@ class DraftStream:
         self._sent = length
 
     def reset(self) -> None:
-        """Drops a broken stream; the next proposal reopens it with the whole sequence."""
+        """Drops a broken stream and pauses drafting (exponential backoff); the next proposal
+        reopens the stream with the whole sequence."""
         if self._call is not None:
             self._call.cancel()
         self._call = None
+        pause = self._backends.deadlines.draft_backoff_s * 2 ** min(self._failures, 5)
+        self._failures += 1
+        self._paused_until = time.monotonic() + pause
 
     async def close(self) -> None:
         if self._call is not None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.backends import Deadlines
 from specserve.config import TracingOptions, check, field
 from specserve.paths import DEMO_TARGET
 
@@ -30,7 +31,22 @@ class GatewayConfig(TracingOptions):
         0.0, "stop drafting once the draft's top probability falls below this (0: never)"
     )
     startup_timeout_s: float = field(300.0, "how long to wait at start for both services to answer")
-    rpc_timeout_s: float = field(60.0, "deadline of each call to a service")
+    rpc_timeout_s: float = field(60.0, "deadline of each call to the verify service")
+    draft_timeout_s: float = field(5.0, "deadline of each draft proposal; a late one makes a target-only round")
+    verify_retry_s: float = field(60.0, "how long an unreachable (restarting) verifier is waited for")
+    draft_backoff_s: float = field(1.0, "first pause of drafting after a draft failure (doubles, up to 32x)")
+    max_concurrent_requests: int = field(256, "requests generated at once; more are answered 429 with Retry-After")
+    api_keys: str = field(
+        "", "comma-separated API keys; when set every route but /health needs 'Authorization: Bearer KEY'"
+    )
+
+    @property
+    def api_key_set(self) -> frozenset[str]:
+        return frozenset(key.strip() for key in self.api_keys.split(",") if key.strip())
+
+    @property
+    def deadlines(self) -> Deadlines:
+        return Deadlines(self.rpc_timeout_s, self.draft_timeout_s, self.verify_retry_s, self.draft_backoff_s)
 
     def __post_init__(self) -> None:
         self.check_tracing()
@@ -41,3 +57,7 @@ class GatewayConfig(TracingOptions):
         check(0 <= self.min_draft_probability <= 1, "min_draft_probability must lie in [0, 1]")
         check(self.startup_timeout_s > 0, "startup_timeout_s must be > 0")
         check(self.rpc_timeout_s > 0, "rpc_timeout_s must be > 0")
+        check(
+            self.draft_timeout_s > 0 and self.verify_retry_s >= 0 and self.draft_backoff_s >= 0, "timeouts must be > 0"
+        )
+        check(self.max_concurrent_requests >= 1, "max_concurrent_requests must be >= 1")

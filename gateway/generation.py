@@ -137,7 +137,8 @@ async def generate(
         yield [first]
         generated = 1
         while generated < plan.max_tokens:
-            k = min(session.schedule.k, plan.max_tokens - generated - 1) if session.drafter else 0
+            drafting = session.drafter is not None and session.drafter.available
+            k = min(session.schedule.k, plan.max_tokens - generated - 1) if drafting else 0
             with tracer().start_as_current_span("round", context=parent) as span:
                 round_ = await session.round(k, remaining=plan.max_tokens - generated)
                 span.set_attributes(_round_attributes(round_))
@@ -269,8 +270,27 @@ def _account(round_: Round, stats: SpeculationStats, metrics: GatewayMetrics | N
 
 async def _prefill(backends: Backends, session_id: str, sequence: list[int], sampling) -> int:
     request = verify_pb2.PrefillRequest(session_id=session_id, token_ids=sequence, sampling=sampling)
-    response = await backends.verify.Prefill(request, timeout=backends.rpc_timeout_s)
+    response = await _call_verifier(backends, backends.verify.Prefill, request)
     return response.next_token_id
+
+
+async def _call_verifier(backends: Backends, method, request):
+    """A verifier call, retried while the verifier is unreachable (restarting), up to
+    verify_retry_s. Safe for both calls: Prefill replaces its session, and a Verify whose
+    first attempt did land is refused as out of step, which prefills again."""
+    deadline = time.monotonic() + backends.deadlines.verify_retry_s
+    pause = 0.1
+    while True:
+        try:
+            return await method(request, timeout=backends.rpc_timeout_s, wait_for_ready=True)
+        except grpc.aio.AioRpcError as error:
+            if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            if time.monotonic() + pause > deadline:
+                raise
+            log.warning("verifier unavailable (%s); retrying", _describe(error))
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2.0)
 
 
 async def _draft(drafter: DraftStream, sequence: list[int], k: int, sampling, want_bonus_guess: bool = False,
@@ -308,7 +328,7 @@ async def _verify(
         sampling=sampling,
     )
     try:
-        return request, await backends.verify.Verify(request, timeout=backends.rpc_timeout_s)
+        return request, await _call_verifier(backends, backends.verify.Verify, request)
     except grpc.aio.AioRpcError as error:
         if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
             raise

@@ -97,7 +97,8 @@ def up(args: argparse.Namespace) -> int:
         if not (Path(path) / "config.json").is_file():
             print(f"specserve: no {role} model at {path} (no config.json); pass --{role} DIR", file=sys.stderr)
             return 2
-    processes = {name: subprocess.Popen(command) for name, command in _commands(args).items()}
+    commands = _commands(args)
+    processes = {name: subprocess.Popen(command) for name, command in commands.items()}
     stopping = {"signal": None}
 
     def request_stop(signum, _frame):
@@ -110,15 +111,40 @@ def up(args: argparse.Namespace) -> int:
         if not _wait_healthy(url, processes, args.startup_timeout, stopping):
             return 1
         _print_welcome(url)
-        while stopping["signal"] is None:
-            dead = _first_exited(processes)
-            if dead:
-                print(f"specserve: {dead} exited with code {processes[dead].returncode}; stopping", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        _supervise(commands, processes, stopping)
         return 0
     finally:
         _stop_all(processes)
+
+
+def _supervise(commands: dict[str, list[str]], processes: dict[str, subprocess.Popen], stopping: dict) -> None:
+    """As a Kubernetes kubelet would: a part that dies is started again after a pause that
+    doubles with each quick death (1 s up to 30 s) and resets once it has run for a minute."""
+    restarts = dict.fromkeys(commands, 0)
+    started = dict.fromkeys(commands, time.monotonic())
+    due: dict[str, float] = {}
+    while stopping["signal"] is None:
+        now = time.monotonic()
+        for name, process in processes.items():
+            if process.poll() is None or name in due:
+                continue
+            if now - started[name] > 60:
+                restarts[name] = 0
+            pause = min(30.0, 2.0 ** restarts[name])
+            print(
+                f"specserve: {name} exited with code {process.returncode}; restarting in {pause:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            due[name] = now + pause
+        for name, when in list(due.items()):
+            if now >= when:
+                processes[name] = subprocess.Popen(commands[name])
+                restarts[name] += 1
+                started[name] = now
+                del due[name]
+                print(f"specserve: {name} restarted (pid {processes[name].pid})", file=sys.stderr, flush=True)
+        time.sleep(0.2)
 
 
 def _wait_healthy(url: str, processes: dict[str, subprocess.Popen], timeout_s: float, stopping: dict) -> bool:

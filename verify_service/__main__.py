@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+import threading
+import time
 
 from specserve.batching import Batcher
 from specserve.config import parse_config
@@ -13,8 +15,19 @@ from specserve.models import load_for_service
 from specserve.telemetry import setup_tracing
 from specserve.v1 import verify_pb2_grpc
 from verify_service.config import VerifyConfig
-from verify_service.engine import Verifier
+from verify_service.engine import SweepJob, Verifier
 from verify_service.servicer import SERVICE_NAME, VerifyServicer
+
+
+def start_sweeper(batcher: Batcher, ttl_s: float) -> None:
+    """Submits a SweepJob a few times per TTL, so idle sessions expire even with no traffic."""
+
+    def sweep_forever() -> None:
+        while True:
+            time.sleep(min(30.0, ttl_s / 4))
+            batcher.submit(SweepJob(time.monotonic()))
+
+    threading.Thread(target=sweep_forever, name="session-sweeper", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     verifier = Verifier(loaded, config, metrics)
     batcher = Batcher(verifier.step, config.max_batch, config.max_wait_ms / 1000, name="verifier")
     servicer = VerifyServicer(batcher, loaded, config, metrics)
+    start_sweeper(batcher, config.session_ttl_s)
     register = lambda server: verify_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, server)  # noqa: E731
     run_service(SERVICE_NAME, register, config.address, config.max_workers, config.grace_s)
     batcher.close()

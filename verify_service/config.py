@@ -16,6 +16,7 @@ class VerifyConfig(TracingOptions):
     dtype: str = field("auto", "weight dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     max_sessions: int = field(256, "most sessions (target KV caches) held at once; beyond it RESOURCE_EXHAUSTED")
     max_speculative_tokens: int = field(16, "largest K accepted per Verify call")
+    session_ttl_s: float = field(600.0, "sessions idle this long are released (their gateway may be gone)")
     max_support: int = field(1024, "largest sparse draft-distribution support accepted per position")
     max_batch: int = field(64, "most calls verified in one batch")
     max_wait_ms: float = field(
@@ -41,6 +42,7 @@ class VerifyConfig(TracingOptions):
         check(0 < self.port < 65536, f"port must lie in 1..65535, got {self.port}")
         check(self.max_sessions >= 1, "max_sessions must be >= 1")
         check(self.max_speculative_tokens >= 1, "max_speculative_tokens must be >= 1")
+        check(self.session_ttl_s > 0, "session_ttl_s must be > 0")
         check(self.max_support >= 1, "max_support must be >= 1")
         check(self.max_batch >= 1, "max_batch must be >= 1")
         check(self.max_wait_ms >= 0, "max_wait_ms must be >= 0")

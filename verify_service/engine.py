@@ -55,7 +55,14 @@ class ReleaseJob:
     session_id: str
 
 
-Job = PrefillJob | VerifyJob | ReleaseJob
+@dataclass(frozen=True)
+class SweepJob:
+    """Releases sessions idle for longer than the session TTL (a gateway that died cannot)."""
+
+    now: float
+
+
+Job = PrefillJob | VerifyJob | ReleaseJob | SweepJob
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,7 @@ class Session:
     tokens: list[int]  # the verified sequence; its last token is not yet in the cache
     sequence: KVSequence
     sampling: SamplingParams
+    last_used: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -120,6 +128,9 @@ class Verifier:
             try:
                 if isinstance(job, ReleaseJob):
                     self._release(job.session_id)
+                    continue
+                if isinstance(job, SweepJob):
+                    self._sweep(job.now)
                     continue
                 require(job.session_id not in claimed, "another call for this session is in the same batch")
                 rows.append((index, self._prepare(job)))
@@ -158,6 +169,12 @@ class Verifier:
     @property
     def active_sessions(self) -> int:
         return len(self.sessions)
+
+    def _sweep(self, now: float) -> None:
+        idle = [sid for sid, session in self.sessions.items() if now - session.last_used > self.config.session_ttl_s]
+        for session_id in idle:
+            log.warning("releasing session %s: idle for more than %.0f s", session_id, self.config.session_ttl_s)
+            self._release(session_id)
 
     def _release(self, session_id: str) -> None:
         session = self.sessions.pop(session_id, None)
@@ -304,6 +321,7 @@ class Verifier:
         session.tokens.extend(row.drafts[:num_accepted])
         session.tokens.append(next_token)
         session.sequence.truncate(len(session.tokens) - 1)
+        session.last_used = time.monotonic()
         self.sessions[row.session_id] = session
         return Outcome(num_accepted, next_token, len(session.tokens), row.batch_size)
 

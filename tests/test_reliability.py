@@ -1,0 +1,137 @@
+"""Failures cost time, never tokens: a killed draft or verifier, a client that walks away,
+a burst over capacity, a missing API key, an abandoned session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from specserve.v1 import common_pb2, verify_pb2, verify_pb2_grpc
+from tests.conftest import free_port, start_stack, stop_process
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_pair):
+    verify_metrics = free_port()
+    env = {
+        "SPECSERVE_GATEWAY_API_KEYS": f"other-key,{KEY}",
+        "SPECSERVE_GATEWAY_MAX_CONCURRENT_REQUESTS": "1",
+        "SPECSERVE_GATEWAY_DRAFT_BACKOFF_S": "0.2",
+        "SPECSERVE_VERIFY_SESSION_TTL_S": "2",
+    }
+    stack = start_stack(*tiny_pair, env=env, metrics_ports=(free_port(), verify_metrics))
+    yield stack, verify_metrics
+    stop_process(stack.process)
+
+
+def pid_of(module: str, port: str) -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if module.encode() in argv and port.encode() in argv:
+                return int(entry.name)
+    raise LookupError(f"no {module} process on port {port}")
+
+
+def greedy(url: str, max_tokens: int, **extra) -> dict:
+    body = {"prompt": [7, 8, 9], "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True, **extra}
+    reply = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def slots_in_use(port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    line = next(line for line in text.splitlines() if line.startswith("specserve:verifier_kv_slots_in_use "))
+    return float(line.split()[1])
+
+
+def test_api_key_is_required_everywhere_but_health(guarded):
+    stack, _ = guarded
+    assert httpx.get(f"{stack.url}/health").status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        reply = httpx.post(f"{stack.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=headers)
+        assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{stack.url}/v1/models").status_code == 401
+    assert httpx.get(f"{stack.url}/v1/models", headers=AUTH).status_code == 200
+
+
+def test_over_capacity_is_429_and_a_client_that_leaves_frees_its_sessions(guarded):
+    stack, verify_metrics = guarded
+    body = {"prompt": [1, 2], "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.Client(headers=AUTH, timeout=60) as client:
+        with client.stream("POST", f"{stack.url}/v1/completions", json=body) as stream:
+            next(stream.iter_lines())  # the first chunk: the request is in flight
+            busy = client.post(f"{stack.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+        # The client walked away mid-stream: its place and its KV slots come back at once.
+        deadline = time.monotonic() + 10
+        while slots_in_use(verify_metrics) > 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert slots_in_use(verify_metrics) == 0
+        assert client.post(f"{stack.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_abandoned_verifier_session_expires(guarded):
+    stack, verify_metrics = guarded
+    with grpc.insecure_channel(stack.verify_address) as channel:
+        stub = verify_pb2_grpc.VerifyServiceStub(channel)
+        stub.Prefill(verify_pb2.PrefillRequest(session_id="forgotten", token_ids=[1, 2, 3],
+                                               sampling=common_pb2.SamplingParams(temperature=0)))  # fmt: skip
+    assert slots_in_use(verify_metrics) >= 1
+    deadline = time.monotonic() + 10
+    while slots_in_use(verify_metrics) > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert slots_in_use(verify_metrics) == 0
+
+
+def test_draft_killed_midway_costs_no_token_and_speculation_resumes(guarded):
+    stack, _ = guarded
+    reference = greedy(stack.url, 60, speculation={"method": "none"})["choices"][0]["token_ids"]
+    draft_port = stack.draft_address.rsplit(":", 1)[1]
+    os.kill(pid_of("draft_service", draft_port), signal.SIGKILL)
+    during = greedy(stack.url, 60)
+    assert during["choices"][0]["token_ids"] == reference
+    deadline = time.monotonic() + 60  # the supervisor restarts it; drafts come back
+    while time.monotonic() < deadline:
+        after = greedy(stack.url, 60)
+        assert after["choices"][0]["token_ids"] == reference
+        if after["usage"]["speculation"]["num_drafts"] > 0:
+            break
+        time.sleep(0.5)
+    assert after["usage"]["speculation"]["num_drafts"] > 0
+
+
+def test_verifier_killed_mid_stream_the_stream_completes_identically(guarded):
+    stack, _ = guarded
+    reference = greedy(stack.url, 300)["choices"][0]["token_ids"]
+    verify_port = stack.verify_address.rsplit(":", 1)[1]
+    body = {"prompt": [7, 8, 9], "max_tokens": 300, "temperature": 0, "stream": True, "return_token_ids": True}
+    tokens: list[int] = []
+    killed = False
+    with (
+        httpx.Client(headers=AUTH, timeout=120) as client,
+        client.stream("POST", f"{stack.url}/v1/completions", json=body) as stream,
+    ):
+        for line in stream.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = httpx.Response(200, content=line[6:]).json()
+            assert "error" not in chunk, chunk
+            tokens.extend(chunk["choices"][0].get("token_ids", []))
+            if not killed and len(tokens) >= 20:
+                os.kill(pid_of("verify_service", verify_port), signal.SIGKILL)
+                killed = True
+    assert killed and tokens == reference
