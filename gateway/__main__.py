@@ -25,16 +25,22 @@ def main(argv: list[str] | None = None) -> int:
     tracing = setup_tracing("specserve-gateway", config.trace_console, config.trace_sample_ratio)
     tokenizer = load_tokenizer(config.tokenizer)
     try:
-        target = wait_for_model_info(config.verify_address, verify_pb2_grpc.VerifyServiceStub, config.startup_timeout_s)
-        draft = wait_for_model_info(config.draft_address, draft_pb2_grpc.DraftServiceStub, config.startup_timeout_s)
+        security = config.channel_security
+        target = wait_for_model_info(
+            config.verify_address, verify_pb2_grpc.VerifyServiceStub, config.startup_timeout_s, security
+        )
+        draft = wait_for_model_info(
+            config.draft_address, draft_pb2_grpc.DraftServiceStub, config.startup_timeout_s, security
+        )
         check_pair(target, draft, tokenizer_fingerprint(tokenizer))
-    except (IncompatibleModels, TimeoutError) as error:
+    except (IncompatibleModels, TimeoutError, ValueError) as error:
         log.error("refusing to start: %s", error)
         return 2
     served = served_model(target, draft, config.served_model_name)
     log.info("serving %s (draft %s) on http://%s:%d", served.name, draft.model_name, config.host, config.port)
     app = create_app(config, served, tokenizer)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=10)
+    https = {"ssl_certfile": config.http_tls_cert, "ssl_keyfile": config.http_tls_key} if config.http_tls_cert else {}
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=10, **https)
     if tracing is not None:
         tracing.shutdown()  # flushes spans still buffered
     return 0

@@ -31,7 +31,7 @@ class ApiError(Exception):
     @property
     def type(self) -> str:
         return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                429: "rate_limit_error"}.get(self.status, "server_error")  # fmt: skip
+                413: "invalid_request_error", 429: "rate_limit_error"}.get(self.status, "server_error")  # fmt: skip
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -80,7 +80,9 @@ def create_app(config: GatewayConfig, served: ServedModel, tokenizer) -> FastAPI
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        gateway.backends = Backends(config.draft_address, config.verify_address, config.deadlines)
+        gateway.backends = Backends(
+            config.draft_address, config.verify_address, config.deadlines, config.channel_security
+        )
         yield
         await gateway.backends.close()
 
@@ -139,6 +141,12 @@ class Guard:
             return await reply(scope, receive, send)
         if not (scope["method"] == "POST" and scope["path"].startswith("/v1/")):
             return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.gateway.config.max_body_bytes:
+            error = ApiError(
+                413, f"request bodies are limited to {self.gateway.config.max_body_bytes} bytes", code="too_large"
+            )
+            return await JSONResponse(error.body(), status_code=413)(scope, receive, send)
         if self.gateway.in_flight >= self.gateway.config.max_concurrent_requests:
             error = ApiError(429, "the server is at capacity; retry shortly", code="too_many_requests")
             return await JSONResponse(error.body(), status_code=429, headers={"Retry-After": "1"})(scope, receive, send)

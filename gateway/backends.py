@@ -28,10 +28,20 @@ class ServedModel:
     max_speculative_tokens: int
 
 
-def wait_for_model_info(address: str, stub_cls, timeout_s: float) -> common_pb2.ModelInfo:
+def open_channel(address: str, security: tuple = (None, []), aio: bool = False, interceptors=()):
+    """A channel to a service: TLS when security holds credentials, else plaintext."""
+    credentials, options = security
+    grpc_module = grpc.aio if aio else grpc
+    extra = {"interceptors": list(interceptors)} if aio else {}
+    if credentials is not None:
+        return grpc_module.secure_channel(address, credentials, options=options, **extra)
+    return grpc_module.insecure_channel(address, options=options, **extra)
+
+
+def wait_for_model_info(address: str, stub_cls, timeout_s: float, security: tuple = (None, [])) -> common_pb2.ModelInfo:
     """Polls a service's GetModelInfo until it answers (it may still be loading its model)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, security) as channel:
         stub = stub_cls(channel)
         while True:
             try:
@@ -82,11 +92,15 @@ class Deadlines:
 class Backends:
     """Async stubs of both services, opened inside the gateway's event loop."""
 
-    def __init__(self, draft_address: str, verify_address: str, deadlines: Deadlines):
+    def __init__(self, draft_address: str, verify_address: str, deadlines: Deadlines, security: tuple = (None, [])):
         self.deadlines = deadlines
         self.rpc_timeout_s = deadlines.rpc_timeout_s
-        self._draft_channel = grpc.aio.insecure_channel(draft_address, interceptors=grpc_aio_client_interceptors())
-        self._verify_channel = grpc.aio.insecure_channel(verify_address, interceptors=grpc_aio_client_interceptors())
+        self._draft_channel = open_channel(
+            draft_address, security, aio=True, interceptors=grpc_aio_client_interceptors()
+        )
+        self._verify_channel = open_channel(
+            verify_address, security, aio=True, interceptors=grpc_aio_client_interceptors()
+        )
         self.draft = draft_pb2_grpc.DraftServiceStub(self._draft_channel)
         self.verify = verify_pb2_grpc.VerifyServiceStub(self._verify_channel)
         self._health = [

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from gateway.backends import Deadlines
 from specserve.config import TracingOptions, check, field
 from specserve.paths import DEMO_TARGET
+from specserve.tls import channel_credentials, channel_options
 
 METHODS = ("draft_model", "early_exit", "ngram", "none")
 
@@ -36,6 +37,13 @@ class GatewayConfig(TracingOptions):
     verify_retry_s: float = field(60.0, "how long an unreachable (restarting) verifier is waited for")
     draft_backoff_s: float = field(1.0, "first pause of drafting after a draft failure (doubles, up to 32x)")
     max_concurrent_requests: int = field(256, "requests generated at once; more are answered 429 with Retry-After")
+    tls_ca: str = field("", "PEM CA that signed the services' certificates: talk TLS to them")
+    tls_cert: str = field("", "PEM client certificate for mutual TLS with the services")
+    tls_key: str = field("", "PEM private key of tls_cert")
+    tls_server_name: str = field("", "name the services' certificates are checked against (default: the host dialled)")
+    http_tls_cert: str = field("", "PEM certificate: serve HTTPS instead of HTTP")
+    http_tls_key: str = field("", "PEM private key of http_tls_cert")
+    max_body_bytes: int = field(4 * 1024 * 1024, "largest HTTP request body accepted (413 beyond)")
     api_keys: str = field(
         "", "comma-separated API keys; when set every route but /health needs 'Authorization: Bearer KEY'"
     )
@@ -43,6 +51,11 @@ class GatewayConfig(TracingOptions):
     @property
     def api_key_set(self) -> frozenset[str]:
         return frozenset(key.strip() for key in self.api_keys.split(",") if key.strip())
+
+    @property
+    def channel_security(self) -> tuple:
+        """(credentials or None, channel options) for the links to both services."""
+        return channel_credentials(self.tls_ca, self.tls_cert, self.tls_key), channel_options(self.tls_server_name)
 
     @property
     def deadlines(self) -> Deadlines:
@@ -61,3 +74,5 @@ class GatewayConfig(TracingOptions):
             self.draft_timeout_s > 0 and self.verify_retry_s >= 0 and self.draft_backoff_s >= 0, "timeouts must be > 0"
         )
         check(self.max_concurrent_requests >= 1, "max_concurrent_requests must be >= 1")
+        check(bool(self.http_tls_cert) == bool(self.http_tls_key), "HTTPS needs both http_tls_cert and http_tls_key")
+        check(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")

@@ -114,11 +114,16 @@ def set_serving(servicer: health.HealthServicer, service_names: list[str], servi
 
 
 def serve_until_signalled(
-    server: grpc.Server, servicer: health.HealthServicer, service_names: list[str], address: str, grace_s: float
+    server: grpc.Server,
+    servicer: health.HealthServicer,
+    service_names: list[str],
+    address: str,
+    grace_s: float,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> None:
-    """Starts the server, reports SERVING, and on SIGTERM or SIGINT reports NOT_SERVING and
-    stops after letting in-flight calls finish for up to grace_s."""
-    bound = server.add_insecure_port(address)
+    """Starts the server (TLS only when given credentials), reports SERVING, and on SIGTERM
+    or SIGINT reports NOT_SERVING and stops after letting in-flight calls finish for up to grace_s."""
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise SystemExit(f"could not listen on {address}")
     server.start()
@@ -139,9 +144,10 @@ def run_service(
     address: str,
     max_workers: int,
     grace_s: float,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> None:
     """Builds the server around one servicer (register adds it), serves until signalled."""
     server = make_server(max_workers)
     register(server)
     servicer = add_health_and_reflection(server, [service_name])
-    serve_until_signalled(server, servicer, [service_name], address, grace_s)
+    serve_until_signalled(server, servicer, [service_name], address, grace_s, credentials)
