@@ -356,8 +356,8 @@ def plots(records: list[dict], out_dir: Path) -> None:
     plt.close(fig)
 
 
-def start_stack(args):
-    """`specserve up` on free loopback ports; returns (process, url)."""
+def start_stack(args, with_ports: bool = False):
+    """`specserve up` on free loopback ports; returns (process, url) (and the ports)."""
     import socket
     import subprocess
 
@@ -366,19 +366,20 @@ def start_stack(args):
             sock.bind(("127.0.0.1", 0))
             return sock.getsockname()[1]
 
-    port = free()
-    command = [sys.executable, "-m", "specserve.cli", "up", "--port", str(port), "--draft-port", str(free()),
-               "--verify-port", str(free()), "--draft-metrics-port", str(free()), "--verify-metrics-port", str(free()),
+    ports = {"gateway": free(), "draft": free(), "verify": free()}
+    command = [sys.executable, "-m", "specserve.cli", "up", "--port", str(ports["gateway"]),
+               "--draft-port", str(ports["draft"]), "--verify-port", str(ports["verify"]),
+               "--draft-metrics-port", str(free()), "--verify-metrics-port", str(free()),
                "--target", args.target, "--draft", args.draft, "--device", args.device]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{ports['gateway']}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise SystemExit("the stack exited during start-up")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
+                return (process, url, ports) if with_ports else (process, url)
         except httpx.HTTPError:
             pass
         time.sleep(0.5)

@@ -33,6 +33,14 @@ def main(argv: list[str] | None = None) -> int:
         from specserve.bench import main as bench
 
         return bench(argv[1:])
+    if argv and argv[0] == "load":
+        from specserve.load import main as load
+
+        return load(argv[1:])
+    if argv and argv[0] == "fuzz":
+        from specserve.fuzz import main as fuzz
+
+        return fuzz(argv[1:])
     if argv and argv[0] == "trace":
         from specserve.trace_report import main as trace
 
@@ -72,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
         commands.add_parser(name, help=f"run only the {name} service (`specserve {name} --help`)", add_help=False)
     commands.add_parser("gen-protos", help="regenerate the gRPC stubs from protos/ (--check to verify)", add_help=False)
     commands.add_parser("train-demo", help="train the embedded demo model pair", add_help=False)
+    commands.add_parser(
+        "fuzz", help="generated bad input against a running stack (needs the test extras)", add_help=False
+    )
     commands.add_parser("trace", help="per-hop latency table and plots from a run's spans", add_help=False)
     commands.add_parser("eval-demo", help="measure the demo pair's model-card figures", add_help=False)
     commands.add_parser("bench", help="speculative vs target-only through a running gateway", add_help=False)

@@ -1,0 +1,156 @@
+"""`specserve fuzz`: generated bad input against a running stack, over HTTP and gRPC. Every
+answer must be a 4xx (HTTP) or a request-error status (gRPC); a 5xx, an INTERNAL or UNKNOWN
+status, or a service that stops answering is a failure. Needs hypothesis (the test extras).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+
+ALLOWED_GRPC = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.OUT_OF_RANGE,
+}
+HTTP_KEYS = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+             "seed", "stop", "n", "stream", "stream_options", "speculation", "return_token_ids", "logprobs", "echo")  # fmt: skip
+
+
+@dataclass
+class Tally:
+    inputs: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    def check(self, ok: bool, what: str) -> None:
+        self.inputs += 1
+        if not ok:
+            self.failures.append(what)
+            raise AssertionError(what)  # hypothesis shrinks it and reports it
+
+
+def _strategies():
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=40), st.sampled_from(["draft_model", "ngram", "none", "bogus", "", "target"]),
+    )  # fmt: skip
+    values = st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+        max_leaves=12,
+    )
+    body = st.dictionaries(st.sampled_from(HTTP_KEYS) | st.text(max_size=12), values, max_size=8)
+    tokens = st.lists(st.integers(-5, 300) | st.integers(-(2**31), 2**31 - 1), max_size=40)
+    probs = st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32) | st.floats(0, 1, width=32), max_size=40)
+    return st, body, values, tokens, probs
+
+
+def fuzz_http(url: str, count: int, tally: Tally, headers: dict | None = None) -> None:
+    from hypothesis import HealthCheck, given, settings
+
+    st, body, values, _, _ = _strategies()
+    client = httpx.Client(timeout=120, headers=headers or {})
+    paths = st.sampled_from(["/v1/completions", "/v1/chat/completions"])
+    raw = st.binary(max_size=200) | body.map(lambda b: json.dumps(b, allow_nan=True).encode())
+
+    @settings(max_examples=count, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(path=paths, payload=raw)
+    def check(path, payload):
+        reply = client.post(f"{url}{path}", content=payload, headers={"content-type": "application/json"})
+        if reply.status_code == 200 and reply.headers.get("content-type", "").startswith("text/event-stream"):
+            bad = [line for line in reply.text.splitlines() if '"error"' in line and '"server_error"' in line]
+            tally.check(not bad, f"{path} {payload[:200]!r}: stream error {bad[:1]}")
+        else:
+            tally.check(reply.status_code < 500, f"{path} {payload[:200]!r} -> {reply.status_code} {reply.text[:200]}")
+
+    check()
+
+
+def fuzz_grpc(verify_address: str, draft_address: str, count: int, tally: Tally) -> None:
+    from hypothesis import HealthCheck, given, settings
+
+    from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
+
+    st, _, _, tokens, probs = _strategies()
+    verify = verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(verify_address))
+    draft = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(draft_address))
+    floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
+    sampling = st.builds(common_pb2.SamplingParams, temperature=floats, top_p=floats,
+                         top_k=st.integers(-(2**31), 2**31 - 1), seed=st.integers(0, 2**64 - 1))  # fmt: skip
+    sessions = st.sampled_from(["fuzz-a", "fuzz-b", "", "x" * 300]) | st.text(max_size=8)
+    distribution = st.builds(common_pb2.SparseDistribution, token_ids=tokens, probs=probs)
+    counts = st.integers(0, 2**32 - 1) | st.integers(0, 40)
+    verify_calls = st.one_of(
+        st.builds(lambda s, t, p: (verify.Prefill, verify_pb2.PrefillRequest(session_id=s, token_ids=t, sampling=p)),
+                  sessions, tokens, sampling),
+        st.builds(lambda s, n, d, q, p: (verify.Verify, verify_pb2.VerifyRequest(
+            session_id=s, num_verified=n, draft_token_ids=d, draft_distributions=q, sampling=p)),
+            sessions, counts, tokens, st.lists(distribution, max_size=20), sampling),
+        st.builds(lambda s: (verify.Release, verify_pb2.ReleaseRequest(session_id=s)), sessions),
+    )  # fmt: skip
+    draft_requests = st.lists(st.builds(
+        draft_pb2.DraftRequest, session_id=sessions, tokens=tokens, num_verified=counts, num_speculative_tokens=counts,
+        sampling=sampling, method=st.sampled_from(["", "draft_model", "ngram", "early_exit", "bogus"]),
+        min_draft_probability=floats, want_bonus_guess=st.booleans()), min_size=1, max_size=4)  # fmt: skip
+
+    def code_of(call) -> grpc.StatusCode:
+        try:
+            call()
+        except grpc.RpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
+
+    @settings(max_examples=count, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(call=verify_calls)
+    def check_verify(call):
+        method, request = call
+        code = code_of(lambda: method(request, timeout=60))
+        tally.check(code in ALLOWED_GRPC, f"{type(request).__name__} {str(request)[:300]} -> {code}")
+
+    @settings(max_examples=max(1, count // 4), deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(requests=draft_requests)
+    def check_draft(requests):
+        code = code_of(lambda: list(draft.Draft(iter(requests), timeout=60)))
+        tally.check(code in ALLOWED_GRPC, f"Draft stream {[str(r)[:120] for r in requests]} -> {code}")
+
+    check_verify()
+    check_draft()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specserve fuzz", description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--verify-address", default="127.0.0.1:50052")
+    parser.add_argument("--draft-address", default="127.0.0.1:50051")
+    parser.add_argument("--count", type=int, default=2000, help="generated inputs per kind (HTTP, verify, draft)")
+    parser.add_argument("--api-key", default="")
+    args = parser.parse_args(argv)
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError:
+        print("specserve fuzz needs hypothesis: pip install -e '.[test]'", file=sys.stderr)
+        return 2
+    tally = Tally()
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    try:
+        fuzz_http(args.url, args.count, tally, headers)
+        fuzz_grpc(args.verify_address, args.draft_address, args.count, tally)
+    except AssertionError as error:
+        print(f"FAILED after {tally.inputs} inputs: {error}", file=sys.stderr)
+        return 1
+    health = httpx.get(f"{args.url}/health", timeout=10).status_code
+    print(f"{tally.inputs} generated inputs: {len(tally.failures)} failures; /health {health}")
+    return 0 if health == 200 and not tally.failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
