@@ -32,6 +32,9 @@ class DraftConfig(TracingOptions):
     threads: int = field(0, "torch CPU threads for the model (0: torch's default)")
     max_workers: int = field(300, "gRPC worker threads (each open stream holds one)")
     metrics_port: int = field(9101, "port of the Prometheus /metrics endpoint (0: none)")
+    health_port: int = field(
+        0, "plaintext port serving only grpc.health.v1, for probes that cannot speak TLS (0: none)"
+    )
     tls_cert: str = field("", "PEM certificate: serve TLS only (no plaintext)")
     tls_key: str = field("", "PEM private key of tls_cert")
     tls_client_ca: str = field("", "PEM CA: demand client certificates it signed (mutual TLS)")

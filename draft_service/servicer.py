@@ -69,6 +69,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             attributes=attributes,
         ) as span:
             submitted = time.time_ns()
+            self._metrics.queue_depth.set(self._batcher.pending)
             proposal: Proposal = self._batcher.submit(job)
             span.set_attribute("specserve.batch_size", proposal.batch_size)
             record_span("drafter.queue", submitted, max(submitted, proposal.batch_started_ns))

@@ -28,9 +28,15 @@ class ServedModel:
     max_speculative_tokens: int
 
 
+# Spread calls (and draft streams) over every address a name resolves to: behind a headless
+# Service, dns:///specserve-verify:50052 is one address per verifier replica.
+ROUND_ROBIN = ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}]}')
+
+
 def open_channel(address: str, security: tuple = (None, []), aio: bool = False, interceptors=()):
     """A channel to a service: TLS when security holds credentials, else plaintext."""
-    credentials, options = security
+    credentials, extra_options = security
+    options = [ROUND_ROBIN, *extra_options]
     grpc_module = grpc.aio if aio else grpc
     extra = {"interceptors": list(interceptors)} if aio else {}
     if credentials is not None:

@@ -34,6 +34,11 @@ class Batcher(Generic[ItemT, ResultT]):
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def pending(self) -> int:
+        """Items waiting for a batch."""
+        return self._queue.qsize()
+
     def submit(self, item: ItemT) -> ResultT:
         """Blocks until the item has been processed; raises the item's own exception."""
         future: Future = Future()

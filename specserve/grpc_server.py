@@ -88,16 +88,37 @@ def _guard_stream(behavior: Callable, method: str) -> Callable:
     return guarded
 
 
+# Clients behind a headless Service re-resolve DNS only when a connection ends: closing
+# connections after 10 minutes (with 10 more for the streams on them to finish) lets new
+# replicas take load. A draft stream that still outlives that costs one target-only round.
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_connection_age_ms", 600_000),
+    ("grpc.max_connection_age_grace_ms", 600_000),
+]
+
+
 def make_server(max_workers: int) -> grpc.Server:
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
         # Tracing outermost, so a server span sees the status the error interceptor sets.
         interceptors=[*grpc_server_interceptors(), ErrorInterceptor()],
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ],
+        options=SERVER_OPTIONS,
     )
+
+
+def start_health_port(servicer: health.HealthServicer, host: str, port: int) -> grpc.Server | None:
+    """A plaintext port serving grpc.health.v1 only, for probes that cannot speak (m)TLS
+    (the kubelet's native gRPC probe); None when port is 0."""
+    if not port:
+        return None
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    if server.add_insecure_port(f"{host}:{port}") == 0:
+        raise SystemExit(f"could not listen on {host}:{port}")
+    server.start()
+    return server
 
 
 def add_health_and_reflection(server: grpc.Server, service_names: list[str]) -> health.HealthServicer:
@@ -145,9 +166,13 @@ def run_service(
     max_workers: int,
     grace_s: float,
     credentials: grpc.ServerCredentials | None = None,
+    health_port: int = 0,
 ) -> None:
     """Builds the server around one servicer (register adds it), serves until signalled."""
     server = make_server(max_workers)
     register(server)
     servicer = add_health_and_reflection(server, [service_name])
+    health_server = start_health_port(servicer, address.rsplit(":", 1)[0], health_port)
     serve_until_signalled(server, servicer, [service_name], address, grace_s, credentials)
+    if health_server is not None:
+        health_server.stop(0)

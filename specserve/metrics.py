@@ -113,6 +113,11 @@ class ServiceMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.queue_depth = Gauge(
+            f"specserve:{component}_queue_depth",
+            "Calls waiting for a batch (what the verifier autoscales on).",
+            registry=r,
+        )
         self.active_sessions = Gauge(f"specserve:{component}_active_sessions", "Sessions held now.", registry=r)
         self.kv_slots_in_use = Gauge(f"specserve:{component}_kv_slots_in_use", "KV-cache slots in use.", registry=r)
 

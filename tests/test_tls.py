@@ -8,9 +8,12 @@ import subprocess
 import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.v1 import common_pb2, verify_pb2_grpc
-from tests.conftest import start_stack, stop_process
+from tests.conftest import free_port, start_stack, stop_process
+
+HEALTH_PORT = free_port()
 
 
 def openssl(*args: str, cwd) -> None:
@@ -42,6 +45,7 @@ def mtls_stack(tiny_pair, certs):
         env[f"SPECSERVE_{service}_TLS_CERT"] = str(certs / "server.pem")
         env[f"SPECSERVE_{service}_TLS_KEY"] = str(certs / "server.key")
         env[f"SPECSERVE_{service}_TLS_CLIENT_CA"] = str(certs / "ca.pem")
+    env["SPECSERVE_VERIFY_HEALTH_PORT"] = str(HEALTH_PORT)
     env["SPECSERVE_GATEWAY_TLS_CA"] = str(certs / "ca.pem")
     env["SPECSERVE_GATEWAY_TLS_CERT"] = str(certs / "client.pem")
     env["SPECSERVE_GATEWAY_TLS_KEY"] = str(certs / "client.key")
@@ -71,3 +75,12 @@ def test_services_refuse_plaintext_and_clients_without_a_certificate(mtls_stack,
                                           (certs / "client.pem").read_bytes())  # fmt: skip
     with grpc.secure_channel(mtls_stack.verify_address, mutual) as channel:
         assert verify_pb2_grpc.VerifyServiceStub(channel).GetModelInfo(request, timeout=5).vocab_size == 257
+
+
+def test_a_plaintext_health_port_answers_probes_that_cannot_speak_tls(mtls_stack):
+    with grpc.insecure_channel(f"127.0.0.1:{HEALTH_PORT}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as nothing_else:
+            verify_pb2_grpc.VerifyServiceStub(channel).GetModelInfo(common_pb2.ModelInfoRequest(), timeout=5)
+        assert nothing_else.value.code() == grpc.StatusCode.UNIMPLEMENTED

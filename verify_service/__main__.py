@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     start_sweeper(batcher, config.session_ttl_s)
     register = lambda server: verify_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, server)  # noqa: E731
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-    run_service(SERVICE_NAME, register, config.address, config.max_workers, config.grace_s, credentials)
+    run_service(
+        SERVICE_NAME, register, config.address, config.max_workers, config.grace_s, credentials, config.health_port
+    )
     batcher.close()
     if tracing is not None:
         tracing.shutdown()  # flushes spans still buffered

@@ -34,6 +34,9 @@ class VerifyConfig(TracingOptions):
     threads: int = field(0, "torch CPU threads for the model (0: torch's default)")
     max_workers: int = field(256, "gRPC worker threads (concurrent calls in flight)")
     metrics_port: int = field(9102, "port of the Prometheus /metrics endpoint (0: none)")
+    health_port: int = field(
+        0, "plaintext port serving only grpc.health.v1, for probes that cannot speak TLS (0: none)"
+    )
     tls_cert: str = field("", "PEM certificate: serve TLS only (no plaintext)")
     tls_key: str = field("", "PEM private key of tls_cert")
     tls_client_ca: str = field("", "PEM CA: demand client certificates it signed (mutual TLS)")

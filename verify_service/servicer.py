@@ -28,6 +28,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
     def _run(self, job) -> Outcome:
         """Submits a job; records its queue, forward and kernel time as spans and metrics."""
         submitted = time.time_ns()
+        self._metrics.queue_depth.set(self._batcher.pending)
         outcome: Outcome = self._batcher.submit(job)
         self._metrics.queue_seconds.observe(max(0, outcome.batch_started_ns - submitted) / 1e9)
         attributes = {"specserve.batch_size": outcome.batch_size}
