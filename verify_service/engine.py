@@ -272,6 +272,9 @@ class Verifier:
         return decisions
 
     def _decide_greedy(self, rows: list[_Row]) -> list[tuple[int, int]]:
+        if all(not row.drafts for row in rows):
+            # Target-only rows (K = 0): the rule reduces to the argmax, no padding or kernel.
+            return [(0, int(torch.argmax(row.logits[-1]))) for row in rows]
         logits, drafts, num_draft = self._pad_rows(rows, [row.logits for row in rows])
         output, num_accepted = greedy_verify(logits, drafts, num_draft)
         return _unpack(output, num_accepted)
