@@ -55,8 +55,10 @@ class Row:
     workload: str
     temperature: float
     clients: int
-    method: str  # none | draft_model | hf_target | hf_assisted
+    method: str  # none | draft_model | early_exit | ngram | hf_target | hf_assisted
     k: int = 0
+    adaptive: bool = False
+    pipeline: bool = False
     requests: int = 0
     completion_tokens: int = 0
     wall_seconds: float = 0.0
@@ -72,7 +74,7 @@ class Row:
 
     @property
     def label(self) -> str:
-        return f"{self.method} K={self.k}" if self.method == "draft_model" else self.method
+        return row_label(self.method, self.k, self.adaptive, self.pipeline)
 
     @property
     def tokens_per_s(self) -> float:
@@ -99,6 +101,15 @@ class Row:
             self.accepted_per_position[i] += count
 
 
+def row_label(method: str, k: int, adaptive: bool = False, pipeline: bool = False) -> str:
+    if method in SPECULATIVE:
+        return f"{method} K={k}" + (" adaptive" if adaptive else "") + (" pipelined" if pipeline else "")
+    return method
+
+
+SPECULATIVE = ("draft_model", "early_exit", "ngram")
+
+
 def analyse(row: Row, baseline: Row | None) -> dict:
     """DESIGN.md's quantities for a row, against the target-only row of its group."""
     out = {"tokens_per_s": row.tokens_per_s}
@@ -110,7 +121,7 @@ def analyse(row: Row, baseline: Row | None) -> dict:
         return out
     out["measured_speedup"] = row.tokens_per_s / baseline.tokens_per_s
     step = baseline.per_round("verify_forward_seconds")  # one target step
-    if row.method != "draft_model" or not row.num_drafts or not step:
+    if row.method not in SPECULATIVE or not row.num_drafts or not step:
         return out
     alpha = row.num_accepted_tokens / row.num_draft_tokens
     mean_length = (row.num_accepted_tokens + row.num_drafts) / row.num_drafts
@@ -137,6 +148,8 @@ def stream_one(
 ) -> tuple[dict, float, list[float], float]:
     """One streamed request: (usage, time to first token, per-token gaps after it, seconds)."""
     speculation = {"method": row.method, **({"num_speculative_tokens": row.k} if row.k else {})}
+    if row.method in SPECULATIVE:
+        speculation.update(adaptive=row.adaptive, pipeline=row.pipeline)
     body = {"max_tokens": max_tokens, "temperature": row.temperature, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}, "return_timings": True, "return_token_ids": True,
             "speculation": speculation}  # fmt: skip
@@ -228,7 +241,11 @@ def plan_rows(args) -> list[Row]:
         for temperature in args.temperatures:
             for clients in args.concurrency:
                 rows.append(Row(workload, temperature, clients, "none"))
-                rows += [Row(workload, temperature, clients, "draft_model", k) for k in args.k]
+                rows += [Row(workload, temperature, clients, method, k) for method in args.methods for k in args.k]
+                if args.adaptive:
+                    rows.append(Row(workload, temperature, clients, "draft_model", max(args.k), adaptive=True))
+                if args.pipeline:
+                    rows += [Row(workload, temperature, clients, "draft_model", k, pipeline=True) for k in args.k]
                 if clients == 1 and args.transformers:
                     rows += [Row(workload, temperature, 1, "hf_target"), Row(workload, temperature, 1, "hf_assisted")]
     return rows
@@ -263,10 +280,11 @@ def results(rows: list[Row]) -> list[dict]:
     for row in rows:
         baseline = next((r for r in rows if (r.workload, r.temperature, r.clients, r.method) ==
                          (row.workload, row.temperature, row.clients, "none")), None)  # fmt: skip
-        single = next((r for r in rows if (r.workload, r.temperature, r.method, r.k) ==
-                       (row.workload, row.temperature, row.method, row.k) and r.clients == 1), None)  # fmt: skip
+        single = next((r for r in rows if (r.workload, r.temperature, r.label) ==
+                       (row.workload, row.temperature, row.label) and r.clients == 1), None)  # fmt: skip
         record = {"workload": row.workload, "temperature": row.temperature, "clients": row.clients, "method": row.method,
-                  "k": row.k, "requests": row.requests, "completion_tokens": row.completion_tokens,
+                  "k": row.k, "adaptive": row.adaptive, "pipeline": row.pipeline, "label": row.label,
+                  "requests": row.requests, "completion_tokens": row.completion_tokens,
                   **analyse(row, baseline)}  # fmt: skip
         if single is not None and single.tokens_per_s:
             record["vs_one_client"] = row.tokens_per_s / single.tokens_per_s
@@ -288,7 +306,7 @@ def markdown(records: list[dict]) -> str:
              "| predicted (h=0) | predicted | bytes/round |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in records:
-        method = f"{r['method']} K={r['k']}" if r["method"] == "draft_model" else r["method"]
+        method = r["label"]
         lines.append(
             f"| {r['workload']} | {r['temperature']} | {r['clients']} | {method} | {r['tokens_per_s']:.1f} "
             f"| {f(r.get('measured_speedup'))}x | {f(r.get('ttft_p50_ms'), 1)} | {f(r.get('itl_p50_ms'), 1)}/{f(r.get('itl_p99_ms'), 1)} "
@@ -304,7 +322,8 @@ def plots(records: list[dict], out_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    single = [r for r in records if r["clients"] == 1 and r["method"] == "draft_model"]
+    single = [r for r in records if r["clients"] == 1 and r["method"] == "draft_model" and not r["adaptive"]
+              and not r["pipeline"]]  # fmt: skip
     groups = sorted({(r["workload"], r["temperature"]) for r in single})
     fig, ax = plt.subplots(figsize=(6, 4))
     for workload, temperature in groups:
@@ -335,7 +354,7 @@ def plots(records: list[dict], out_dir: Path) -> None:
     fig.savefig(out_dir / "acceptance_by_position.png", dpi=120)
     plt.close(fig)
 
-    stack_rows = [r for r in records if r["method"] in ("none", "draft_model") and r["clients"] == 1]
+    stack_rows = [r for r in records if r["method"] not in ("hf_target", "hf_assisted") and r["clients"] == 1]
     fig, ax = plt.subplots(figsize=(8, max(3, 0.3 * len(stack_rows))))
     parts = [("draft service", lambda m: m["draft_server_seconds"]), ("target forward", lambda m: m["verify_forward_seconds"]),
              ("kernel", lambda m: m["verify_kernel_seconds"]),
@@ -397,6 +416,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument(
+        "--methods", nargs="+", default=["draft_model"], choices=SPECULATIVE, help="speculative methods"
+    )
+    parser.add_argument("--adaptive", action="store_true", help="add a row with adaptive K (starting at the largest K)")
+    parser.add_argument("--pipeline", action="store_true", help="add pipelined draft_model rows for each K")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--prompts", type=int, default=8, help="prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=64)
