@@ -39,7 +39,7 @@ def code_completion_prompts(count: int, context_lines: int = 24) -> list[str]:
             continue
         for i in range(per_file):
             cut = context_lines + (len(lines) - context_lines - 8) * (i + 1) // (per_file + 1)
-            prompts.append("".join(lines[cut - context_lines : cut]))
+            prompts.append(_at_token_boundary("".join(lines[cut - context_lines : cut])))
     return _spread(prompts, count)
 
 
@@ -57,7 +57,7 @@ def function_headers(count: int) -> list[str]:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
                 header = "".join(lines[node.lineno - 1 : node.body[0].lineno - 1])
                 if header.rstrip().endswith(":"):
-                    headers.append(textwrap.dedent(header))
+                    headers.append(_at_token_boundary(textwrap.dedent(header)))
     return _spread(headers, count)
 
 
@@ -88,7 +88,7 @@ def edit_prompts(count: int) -> list[str]:
         old, new = names[0], f"{names[0]}_value"
         renamed = re.sub(rf"\b{re.escape(old)}\b", new, source)
         first_line = renamed.splitlines(keepends=True)[0]
-        prompts.append(f"{source}\n\n# The same function, with `{old}` renamed to `{new}`:\n{first_line}")
+        prompts.append(_at_token_boundary(f"{source}\n\n# The same function, with `{old}` renamed to `{new}`:\n{first_line}"))
     return _spread(prompts, count)
 
 
@@ -98,6 +98,14 @@ def chat_prompts(count: int) -> list[list[dict[str, str]]]:
         [{"role": "user", "content": f"Write the body of this Python function.\n\n{header}"}]
         for header in function_headers(count)
     ]
+
+
+def _at_token_boundary(prompt: str) -> str:
+    """The prompt without its final newline. A byte-level BPE merges a newline with the next
+    line's indentation into one token, so a prompt that ends in a bare newline ends inside a
+    token the model never saw split, and it continues badly; ending at the colon or the end
+    of a statement lets it emit the newline-and-indent token itself."""
+    return prompt.rstrip("\n")
 
 
 def _spread(items: list[str], count: int) -> list[str]:
