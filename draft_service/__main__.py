@@ -29,14 +29,20 @@ def main(argv: list[str] | None = None) -> int:
     metrics = ServiceMetrics("drafter")
     metrics.serve(config.host, config.metrics_port)
     drafter = Drafter(models, config, metrics)
-    batcher = Batcher(drafter.step, config.max_batch, config.max_wait_ms / 1000, name="drafter")
+    batcher = Batcher(drafter.step, config.max_batch, config.max_wait_ms / 1000, name="drafter", own_thread=False)
     servicer = DraftServicer(drafter, batcher, loaded, config, metrics)
     register = lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)  # noqa: E731
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     run_service(
-        SERVICE_NAME, register, config.address, config.max_workers, config.grace_s, credentials, config.health_port
+        SERVICE_NAME,
+        register,
+        config.address,
+        config.max_workers,
+        config.grace_s,
+        credentials,
+        config.health_port,
+        batcher,
     )
-    batcher.close()
     if tracing is not None:
         tracing.shutdown()  # flushes spans still buffered
     return 0

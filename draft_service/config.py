@@ -22,7 +22,8 @@ class DraftConfig(TracingOptions):
     max_batch: int = field(64, "most draft requests processed in one batch")
     max_wait_ms: float = field(0.0, "how long a lone request waits for others to share its batch")
     matmul_dtype: str = field(
-        "auto", "dtype of the runner's weight matrices: auto (a float16 checkpoint stays float16 on CPU), or a dtype"
+        "auto",
+        "dtype of the runner's weight matrices: auto (a 16-bit checkpoint on CPU: bfloat16 where the CPU has it, else float16), or a dtype",
     )
     backend: str = field(
         "auto", "model backend: auto (our runner for the Llama family, else transformers), runner, transformers"

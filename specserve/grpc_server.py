@@ -141,22 +141,39 @@ def serve_until_signalled(
     address: str,
     grace_s: float,
     credentials: grpc.ServerCredentials | None = None,
+    main_loop: Callable[[], None] | None = None,
+    on_stopped: Callable[[], None] | None = None,
 ) -> None:
-    """Starts the server (TLS only when given credentials), reports SERVING, and on SIGTERM
-    or SIGINT reports NOT_SERVING and stops after letting in-flight calls finish for up to grace_s."""
+    """Starts the server (TLS only when given credentials), reports SERVING, and runs
+    main_loop on this thread (or waits). On SIGTERM or SIGINT: reports NOT_SERVING, lets
+    in-flight calls finish for up to grace_s, stops, then calls on_stopped, which must make
+    main_loop return."""
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise SystemExit(f"could not listen on {address}")
     server.start()
     set_serving(servicer, service_names, True)
     log.info("serving %s on %s", ", ".join(service_names), address)
-    stop = threading.Event()
+    stopped = threading.Event()
+
+    def shut_down() -> None:
+        log.info("shutting down (grace %.0f s)", grace_s)
+        set_serving(servicer, service_names, False)
+        server.stop(grace_s).wait()
+        if on_stopped is not None:
+            on_stopped()
+        stopped.set()
+
+    def on_signal(*_) -> None:
+        if not getattr(on_signal, "fired", False):
+            on_signal.fired = True
+            threading.Thread(target=shut_down, name="shutdown", daemon=True).start()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    stop.wait()
-    log.info("shutting down (grace %.0f s)", grace_s)
-    set_serving(servicer, service_names, False)
-    server.stop(grace_s).wait()
+        signal.signal(signum, on_signal)
+    if main_loop is not None:
+        main_loop()
+    stopped.wait()
 
 
 def run_service(
@@ -167,12 +184,17 @@ def run_service(
     grace_s: float,
     credentials: grpc.ServerCredentials | None = None,
     health_port: int = 0,
+    batcher=None,
 ) -> None:
-    """Builds the server around one servicer (register adds it), serves until signalled."""
+    """Builds the server around one servicer (register adds it) and serves until signalled,
+    running the batcher's worker (if any) on this, the main, thread."""
     server = make_server(max_workers)
     register(server)
     servicer = add_health_and_reflection(server, [service_name])
     health_server = start_health_port(servicer, address.rsplit(":", 1)[0], health_port)
-    serve_until_signalled(server, servicer, [service_name], address, grace_s, credentials)
+    serve_until_signalled(
+        server, servicer, [service_name], address, grace_s, credentials,
+        main_loop=batcher.run if batcher else None, on_stopped=batcher.close if batcher else None,
+    )  # fmt: skip
     if health_server is not None:
         health_server.stop(0)

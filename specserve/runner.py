@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
+# Forwards of at most this many tokens per row (decode, verify) attend query by query, for
+# results that do not depend on K or on the batch; longer ones (prefill) in one masked call.
+EXACT_MAX_QUERIES = 16
+
 
 class UnsupportedModel(Exception):
     """The checkpoint is not one the runner knows; the transformers backend serves it."""
@@ -96,18 +100,30 @@ class _BatchLayout:
     kv_len: int  # keys to read per row: max over rows of start + n
     mask: torch.Tensor | None  # [batch, 1, n_max, kv_len] bool, True = may attend; None = no mask needed
     single: tuple[int, int] | None  # (slot, start) when the batch is one row: views, no gathers
+    exact: list[tuple[int, int]] | None  # (slot, position) per token when attention runs query by query
 
 
 def auto_matmul_dtype(weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """A float16 checkpoint keeps float16 matrices on the CPU: decoding streams every matrix
-    from memory once per step, so keeping the checkpoint's own 16-bit weights (exact, not a
-    rounding of anything) halves that traffic; measured here, a 14M-parameter decode step
-    took 4.4 ms instead of 8.2. Activations, norms and the cache stay in dtype. bfloat16
-    matmuls gain nothing on this class of CPU, and on CUDA dtype is already 16-bit."""
+    """The matrices' dtype when none is asked for. On a CPU a decode step streams every
+    matrix from memory, so a 16-bit checkpoint keeps 16-bit matrices. Measured on this
+    project's CPU (AVX512-BF16, the 14M-parameter demo target, one forward): float32 8 ms at
+    1 token and 19 ms at 5; float16 2.6 ms at 1 but 6.4 at 5 (its kernels work row by row,
+    and round differently with the number of rows); bfloat16 4.7 ms at 1 and 4.7 at 5, the
+    same for every row count. Verifying K + 1 tokens at the price of one step is what makes
+    speculation pay, so bfloat16 where the CPU multiplies it natively, float16 elsewhere.
+    Activations, norms and the KV cache stay in dtype. On CUDA dtype is already 16-bit."""
     checkpoint = next(iter(weights.values())).dtype
-    if device.type == "cpu" and checkpoint == torch.float16 and dtype == torch.float32:
-        return torch.float16
-    return dtype
+    if device.type != "cpu" or dtype != torch.float32 or checkpoint not in (torch.float16, torch.bfloat16):
+        return dtype
+    return torch.bfloat16 if cpu_has_bf16() else torch.float16
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -136,6 +152,7 @@ class LlamaRunner:
         max_len: int,
         matmul_dtype: torch.dtype | None = None,
         num_layers: int | None = None,
+        exact_attention: bool = True,
     ):
         """dtype is what activations, norms and the KV cache use; matmul_dtype is what the
         weight matrices are kept and multiplied in (None: see auto_matmul_dtype). num_layers
@@ -151,8 +168,11 @@ class LlamaRunner:
         self.inv_freq, self.rope_scaling = _rope_parameters(config, device)
         weights = load_safetensors(Path(directory))
         self.matmul_dtype = matmul_dtype or auto_matmul_dtype(weights, device, dtype)
+        self.exact_attention = exact_attention
         self._load(weights)
-        shape = (num_slots, self.max_len, self.spec.num_kv_heads, self.spec.head_dim)
+        # Head-major, so that a row's keys of one head are contiguous: attention reads them
+        # as they lie (a strided view made CPU attention of one query four times slower).
+        shape = (num_slots, self.spec.num_kv_heads, self.max_len, self.spec.head_dim)
         # Uninitialised: a slot is zeroed when handed out (allocate), so on the CPU only the
         # slots ever used commit memory.
         self.k_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.spec.num_layers)]
@@ -288,6 +308,9 @@ class LlamaRunner:
             kv_len=kv_len,
             mask=mask,
             single=(slots[0], starts[0]) if batch == 1 else None,
+            exact=[(slot, start + i) for slot, start, n in zip(slots, starts, counts) for i in range(n)]
+            if self.exact_attention and n_max <= EXACT_MAX_QUERIES
+            else None,
         )
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,23 +327,25 @@ class LlamaRunner:
         if layer.q_norm is not None:
             q, k = _rms_norm(q, layer.q_norm, spec.rms_norm_eps), _rms_norm(k, layer.k_norm, spec.rms_norm_eps)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-        k_cache, v_cache = self.k_cache[index], self.v_cache[index]  # [slots, max_len, kv_heads, d]
+        k_cache, v_cache = self.k_cache[index], self.v_cache[index]  # [slots, kv_heads, max_len, d]
         if layout.single is not None:
             slot, start = layout.single
-            k_cache[slot, start : start + k.shape[0]] = k  # writes the new keys
-            v_cache[slot, start : start + k.shape[0]] = v
-            keys = k_cache[slot, None, : layout.kv_len].transpose(1, 2)  # [1, kv_heads, kv_len, d], a view
-            values = v_cache[slot, None, : layout.kv_len].transpose(1, 2)
+            k_cache[slot, :, start : start + k.shape[0]] = k.transpose(0, 1)  # writes the new keys
+            v_cache[slot, :, start : start + k.shape[0]] = v.transpose(0, 1)
+            keys = k_cache[slot, None, :, : layout.kv_len]  # [1, kv_heads, kv_len, d], a view
+            values = v_cache[slot, None, :, : layout.kv_len]
             queries = q[None].transpose(1, 2)  # [1, heads, n, d]
         else:
-            k_cache[layout.token_slots, layout.token_positions] = k  # writes the new keys
-            v_cache[layout.token_slots, layout.token_positions] = v
+            k_cache[layout.token_slots, :, layout.token_positions] = k  # writes the new keys: [T, kv_heads, d]
+            v_cache[layout.token_slots, :, layout.token_positions] = v
             batch = layout.slots.shape[0]
-            keys = k_cache[layout.slots, : layout.kv_len].transpose(1, 2)  # [batch, kv_heads, kv_len, d]
-            values = v_cache[layout.slots, : layout.kv_len].transpose(1, 2)
+            keys = k_cache[layout.slots, :, : layout.kv_len]  # [batch, kv_heads, kv_len, d]
+            values = v_cache[layout.slots, :, : layout.kv_len]
             padded = q.new_zeros(batch * layout.n_max, heads, d)
             padded[layout.pad_index] = q
             queries = padded.view(batch, layout.n_max, heads, d).transpose(1, 2)  # [batch, heads, n_max, d]
+        if layout.exact is not None:
+            return _linear(self._attention_by_query(q, k_cache, v_cache, layout.exact), layer.o, layer.o_bias)
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=layout.mask, scale=1 / math.sqrt(d), enable_gqa=heads != kv_heads
         )  # [batch, heads, n_max, d]
@@ -328,6 +353,24 @@ class LlamaRunner:
         if layout.single is None:
             out = out[layout.pad_index]  # [T, heads d]
         return _linear(out, layer.o, layer.o_bias)
+
+    def _attention_by_query(self, q: torch.Tensor, k_cache, v_cache, tokens: list[tuple[int, int]]) -> torch.Tensor:
+        """Each query against exactly its own keys, unmasked, one call each: the very call a
+        one-token decode step makes, so a token's hidden states do not depend on how many
+        tokens its row verified at once or which rows shared the batch. A masked call over a
+        padded batch rounds differently (~1e-7), and after 16-bit matmuls that is enough to
+        flip a near-tie argmax: greedy speculative output would drift from target-only."""
+        heads, d = q.shape[1], q.shape[2]
+        window = self.spec.sliding_window
+        outs = []
+        for t, (slot, position) in enumerate(tokens):
+            low = max(0, position + 1 - window) if window else 0
+            keys = k_cache[slot, None, :, low : position + 1]  # [1, kv_heads, keys, d], a view
+            values = v_cache[slot, None, :, low : position + 1]
+            outs.append(F.scaled_dot_product_attention(
+                q[t, None, :, None, :], keys, values, scale=1 / math.sqrt(d), enable_gqa=heads != keys.shape[1]
+            ))  # fmt: skip
+        return torch.cat(outs, dim=0).reshape(len(tokens), heads * d)  # [T, heads d]
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         gate, up = _linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)

@@ -88,7 +88,9 @@ def edit_prompts(count: int) -> list[str]:
         old, new = names[0], f"{names[0]}_value"
         renamed = re.sub(rf"\b{re.escape(old)}\b", new, source)
         first_line = renamed.splitlines(keepends=True)[0]
-        prompts.append(_at_token_boundary(f"{source}\n\n# The same function, with `{old}` renamed to `{new}`:\n{first_line}"))
+        prompts.append(
+            _at_token_boundary(f"{source}\n\n# The same function, with `{old}` renamed to `{new}`:\n{first_line}")
+        )
     return _spread(prompts, count)
 
 

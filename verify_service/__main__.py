@@ -39,15 +39,21 @@ def main(argv: list[str] | None = None) -> int:
     metrics = ServiceMetrics("verifier")
     metrics.serve(config.host, config.metrics_port)
     verifier = Verifier(loaded, config, metrics)
-    batcher = Batcher(verifier.step, config.max_batch, config.max_wait_ms / 1000, name="verifier")
+    batcher = Batcher(verifier.step, config.max_batch, config.max_wait_ms / 1000, name="verifier", own_thread=False)
     servicer = VerifyServicer(batcher, loaded, config, metrics)
     start_sweeper(batcher, config.session_ttl_s)
     register = lambda server: verify_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, server)  # noqa: E731
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     run_service(
-        SERVICE_NAME, register, config.address, config.max_workers, config.grace_s, credentials, config.health_port
+        SERVICE_NAME,
+        register,
+        config.address,
+        config.max_workers,
+        config.grace_s,
+        credentials,
+        config.health_port,
+        batcher,
     )
-    batcher.close()
     if tracing is not None:
         tracing.shutdown()  # flushes spans still buffered
     return 0

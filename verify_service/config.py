@@ -24,7 +24,8 @@ class VerifyConfig(TracingOptions):
         "how long a lone call waits for others to share its batch (calls that arrive during a batch join the next one anyway)",
     )
     matmul_dtype: str = field(
-        "auto", "dtype of the runner's weight matrices: auto (a float16 checkpoint stays float16 on CPU), or a dtype"
+        "auto",
+        "dtype of the runner's weight matrices: auto (a 16-bit checkpoint on CPU: bfloat16 where the CPU has it, else float16), or a dtype",
     )
     backend: str = field(
         "auto", "model backend: auto (our runner for the Llama family, else transformers), runner, transformers"
