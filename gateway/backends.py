@@ -160,7 +160,8 @@ class DraftStream:
         guessed: list[int] | tuple[int, ...] = (),
     ) -> draft_pb2.DraftResponse:
         """Drafts after sequence, or, for a pipelined round, after sequence + guessed (tokens
-        not yet verified: the service is rewound past them unless confirm() says they held)."""
+        not yet verified: the service is rewound past them unless confirm() says they held).
+        Raises grpc.RpcError, RuntimeError (the stream ended) or TimeoutError on failure."""
         if self._call is None:
             self._call = self._backends.draft.Draft(timeout=None)
             self._sent = 0
@@ -176,8 +177,12 @@ class DraftStream:
             want_bonus_guess=want_bonus_guess,
         )
         self.last_request_bytes = request.ByteSize()
-        await asyncio.wait_for(self._call.write(request), self._backends.deadlines.draft_timeout_s)
-        response = await asyncio.wait_for(self._call.read(), self._backends.deadlines.draft_timeout_s)
+        timeout_s = self._backends.deadlines.draft_timeout_s
+        try:
+            await asyncio.wait_for(self._call.write(request), timeout_s)
+            response = await asyncio.wait_for(self._call.read(), timeout_s)
+        except asyncio.InvalidStateError:  # the stream ended (its service died) since the last round
+            raise RuntimeError("the draft stream has ended") from None
         if response is grpc.aio.EOF:
             raise RuntimeError("the draft service ended the stream")
         self._sent = len(sequence)
@@ -202,7 +207,7 @@ class DraftStream:
         if self._call is not None:
             try:
                 await self._call.done_writing()
-            except grpc.RpcError:
+            except (grpc.RpcError, asyncio.InvalidStateError):  # the stream had already ended
                 pass
             self._call.cancel()
             self._call = None

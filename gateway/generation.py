@@ -27,6 +27,30 @@ from specserve.v1 import draft_pb2, verify_pb2
 log = logging.getLogger(__name__)
 
 
+class _RateLimitedLog:
+    """A warning at most once per interval (a dead draft service fails every session's round
+    at once); the next one says how many were suppressed."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 5.0):
+        self._log = logger
+        self._interval_s = interval_s
+        self._next_at = 0.0
+        self._suppressed = 0
+
+    def warning(self, message: str, *args) -> None:
+        now = time.monotonic()
+        if now < self._next_at:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            message += f" ({self._suppressed} more like it in the last {self._interval_s:.0f} s)"
+        self._log.warning(message, *args)
+        self._next_at, self._suppressed = now + self._interval_s, 0
+
+
+_draft_failures = _RateLimitedLog(log)
+
+
 @dataclass(frozen=True)
 class GenerationPlan:
     prompt_token_ids: list[int]
@@ -306,7 +330,7 @@ async def _draft(drafter: DraftStream, sequence: list[int], k: int, sampling, wa
         try:
             response = await drafter.propose(sequence, k, sampling, inject({}), want_bonus_guess, guessed)
         except (grpc.RpcError, RuntimeError, TimeoutError) as error:
-            log.warning("draft failed (%s); this round runs target-only", _describe(error))
+            _draft_failures.warning("draft failed (%s); this round runs target-only", _describe(error))
             drafter.reset()
             return [], [], -1, time.perf_counter() - started, 0.0, 0, None
     seconds = time.perf_counter() - started

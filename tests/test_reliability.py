@@ -3,6 +3,7 @@ a burst over capacity, a missing API key, an abandoned session."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -13,6 +14,7 @@ import grpc
 import httpx
 import pytest
 
+from gateway.backends import Backends, Deadlines, DraftStream
 from specserve.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from tests.conftest import free_port, start_stack, stop_process
 
@@ -101,6 +103,41 @@ def test_abandoned_verifier_session_expires(guarded):
     assert slots_in_use(verify_metrics) == 0
 
 
+def streamed_tokens(url: str, body: dict, when_at: int, action) -> list[int]:
+    """Streams body's completion, calling action() once when when_at tokens have arrived."""
+    tokens: list[int] = []
+    acted = False
+    body = {**body, "stream": True, "return_token_ids": True}
+    with (
+        httpx.Client(headers=AUTH, timeout=120) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body) as stream,
+    ):
+        assert stream.status_code == 200
+        for line in stream.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = httpx.Response(200, content=line[6:]).json()
+            assert "error" not in chunk, chunk
+            tokens.extend(chunk["choices"][0].get("token_ids", []))
+            if not acted and len(tokens) >= when_at:
+                action()
+                acted = True
+    assert acted
+    return tokens
+
+
+def wait_for_drafts(url: str, reference: list[int]) -> None:
+    """Until the supervisor's restarted draft service drafts again; every output stays exact."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        after = greedy(url, 60)
+        assert after["choices"][0]["token_ids"] == reference[:60]
+        if after["usage"]["speculation"]["num_drafts"] > 0:
+            return
+        time.sleep(0.5)
+    raise AssertionError("speculation did not resume after the draft service came back")
+
+
 def test_draft_killed_midway_costs_no_token_and_speculation_resumes(guarded):
     stack, _ = guarded
     reference = greedy(stack.url, 60, speculation={"method": "none"})["choices"][0]["token_ids"]
@@ -108,34 +145,56 @@ def test_draft_killed_midway_costs_no_token_and_speculation_resumes(guarded):
     os.kill(pid_of("draft_service", draft_port), signal.SIGKILL)
     during = greedy(stack.url, 60)
     assert during["choices"][0]["token_ids"] == reference
-    deadline = time.monotonic() + 60  # the supervisor restarts it; drafts come back
-    while time.monotonic() < deadline:
-        after = greedy(stack.url, 60)
-        assert after["choices"][0]["token_ids"] == reference
-        if after["usage"]["speculation"]["num_drafts"] > 0:
-            break
-        time.sleep(0.5)
-    assert after["usage"]["speculation"]["num_drafts"] > 0
+    wait_for_drafts(stack.url, reference)
+
+
+def test_draft_killed_mid_stream_the_stream_completes_identically(guarded):
+    # The request's draft stream is open when its service dies: the next round must fall back
+    # to target-only however the dead stream shows itself (a failed read or a refused write).
+    stack, _ = guarded
+    body = {"prompt": [7, 8, 9], "max_tokens": 300, "temperature": 0}
+    reference = greedy(stack.url, 300, speculation={"method": "none"})["choices"][0]["token_ids"]
+    draft_port = stack.draft_address.rsplit(":", 1)[1]
+    kill = lambda: os.kill(pid_of("draft_service", draft_port), signal.SIGKILL)  # noqa: E731
+    assert streamed_tokens(stack.url, body, 20, kill) == reference
+    wait_for_drafts(stack.url, reference)
+
+
+def test_a_draft_stream_whose_service_died_between_rounds_fails_as_a_draft_failure(guarded):
+    # Under load the dead stream's status often lands while the gateway waits on the verifier;
+    # the next write is then refused (asyncio.InvalidStateError), which must read as a draft
+    # failure (a target-only round), not escape and end the client's stream.
+    stack, _ = guarded
+    reference = greedy(stack.url, 60, speculation={"method": "none"})["choices"][0]["token_ids"]
+    draft_port = stack.draft_address.rsplit(":", 1)[1]
+    sampling = common_pb2.SamplingParams(temperature=0)
+
+    async def scenario() -> BaseException:
+        backends = Backends(stack.draft_address, stack.verify_address, Deadlines())
+        stream = DraftStream(backends, "between-rounds")
+        await stream.propose([7, 8, 9], 2, sampling, {})
+        os.kill(pid_of("draft_service", draft_port), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not stream._call.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        try:
+            await stream.propose([7, 8, 9, 10], 2, sampling, {})
+        except Exception as error:  # noqa: BLE001 - the type is what is checked
+            return error
+        finally:
+            await stream.close()
+            await backends.close()
+        raise AssertionError("a proposal on a dead stream succeeded")
+
+    error = asyncio.run(scenario())
+    assert isinstance(error, grpc.RpcError | RuntimeError | TimeoutError), repr(error)
+    wait_for_drafts(stack.url, reference)
 
 
 def test_verifier_killed_mid_stream_the_stream_completes_identically(guarded):
     stack, _ = guarded
     reference = greedy(stack.url, 300)["choices"][0]["token_ids"]
     verify_port = stack.verify_address.rsplit(":", 1)[1]
-    body = {"prompt": [7, 8, 9], "max_tokens": 300, "temperature": 0, "stream": True, "return_token_ids": True}
-    tokens: list[int] = []
-    killed = False
-    with (
-        httpx.Client(headers=AUTH, timeout=120) as client,
-        client.stream("POST", f"{stack.url}/v1/completions", json=body) as stream,
-    ):
-        for line in stream.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = httpx.Response(200, content=line[6:]).json()
-            assert "error" not in chunk, chunk
-            tokens.extend(chunk["choices"][0].get("token_ids", []))
-            if not killed and len(tokens) >= 20:
-                os.kill(pid_of("verify_service", verify_port), signal.SIGKILL)
-                killed = True
-    assert killed and tokens == reference
+    body = {"prompt": [7, 8, 9], "max_tokens": 300, "temperature": 0}
+    kill = lambda: os.kill(pid_of("verify_service", verify_port), signal.SIGKILL)  # noqa: E731
+    assert streamed_tokens(stack.url, body, 20, kill) == reference
