@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specserve.telemetry import grpc_aio_client_interceptors
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2_grpc
 
 
@@ -33,15 +32,14 @@ class ServedModel:
 ROUND_ROBIN = ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}]}')
 
 
-def open_channel(address: str, security: tuple = (None, []), aio: bool = False, interceptors=()):
+def open_channel(address: str, security: tuple = (None, []), aio: bool = False):
     """A channel to a service: TLS when security holds credentials, else plaintext."""
     credentials, extra_options = security
     options = [ROUND_ROBIN, *extra_options]
     grpc_module = grpc.aio if aio else grpc
-    extra = {"interceptors": list(interceptors)} if aio else {}
     if credentials is not None:
-        return grpc_module.secure_channel(address, credentials, options=options, **extra)
-    return grpc_module.insecure_channel(address, options=options, **extra)
+        return grpc_module.secure_channel(address, credentials, options=options)
+    return grpc_module.insecure_channel(address, options=options)
 
 
 def wait_for_model_info(address: str, stub_cls, timeout_s: float, security: tuple = (None, [])) -> common_pb2.ModelInfo:
@@ -101,12 +99,8 @@ class Backends:
     def __init__(self, draft_address: str, verify_address: str, deadlines: Deadlines, security: tuple = (None, [])):
         self.deadlines = deadlines
         self.rpc_timeout_s = deadlines.rpc_timeout_s
-        self._draft_channel = open_channel(
-            draft_address, security, aio=True, interceptors=grpc_aio_client_interceptors()
-        )
-        self._verify_channel = open_channel(
-            verify_address, security, aio=True, interceptors=grpc_aio_client_interceptors()
-        )
+        self._draft_channel = open_channel(draft_address, security, aio=True)
+        self._verify_channel = open_channel(verify_address, security, aio=True)
         self.draft = draft_pb2_grpc.DraftServiceStub(self._draft_channel)
         self.verify = verify_pb2_grpc.VerifyServiceStub(self._verify_channel)
         self._health = [

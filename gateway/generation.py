@@ -21,10 +21,12 @@ from opentelemetry.trace import SpanKind
 from gateway.backends import Backends, DraftStream
 from specserve.metrics import GatewayMetrics
 from specserve.sampling import SamplingParams
-from specserve.telemetry import inject, tracer
+from specserve.telemetry import inject, metadata_with_trace_context, rpc_span, set_rpc_status, tracer, tracing_enabled
 from specserve.v1 import draft_pb2, verify_pb2
 
 log = logging.getLogger(__name__)
+
+VERIFY_SERVICE = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 
 
 class _RateLimitedLog:
@@ -294,11 +296,11 @@ def _account(round_: Round, stats: SpeculationStats, metrics: GatewayMetrics | N
 
 async def _prefill(backends: Backends, session_id: str, sequence: list[int], sampling) -> int:
     request = verify_pb2.PrefillRequest(session_id=session_id, token_ids=sequence, sampling=sampling)
-    response = await _call_verifier(backends, backends.verify.Prefill, request)
+    response = await _call_verifier(backends, "Prefill", request)
     return response.next_token_id
 
 
-async def _call_verifier(backends: Backends, method, request):
+async def _call_verifier(backends: Backends, method: str, request):
     """A verifier call, retried while the verifier is unreachable (restarting), up to
     verify_retry_s. Safe for both calls: Prefill replaces its session, and a Verify whose
     first attempt did land is refused as out of step, which prefills again."""
@@ -306,7 +308,7 @@ async def _call_verifier(backends: Backends, method, request):
     pause = 0.1
     while True:
         try:
-            return await method(request, timeout=backends.rpc_timeout_s, wait_for_ready=True)
+            return await _traced_call(backends, method, request, timeout=backends.rpc_timeout_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as error:
             if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise
@@ -352,7 +354,7 @@ async def _verify(
         sampling=sampling,
     )
     try:
-        return request, await _call_verifier(backends, backends.verify.Verify, request)
+        return request, await _call_verifier(backends, "Verify", request)
     except grpc.aio.AioRpcError as error:
         if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
             raise
@@ -360,9 +362,25 @@ async def _verify(
         return request, None
 
 
+async def _traced_call(backends: Backends, method: str, request, **options):
+    """A unary verifier call with a client span (when tracing is on) whose trace context
+    travels in the call's metadata."""
+    call = getattr(backends.verify, method)
+    if not tracing_enabled():
+        return await call(request, **options)
+    with rpc_span(SpanKind.CLIENT, f"/{VERIFY_SERVICE}/{method}") as span:
+        try:
+            response = await call(request, metadata=metadata_with_trace_context(), **options)
+        except grpc.aio.AioRpcError as error:
+            set_rpc_status(span, error.code())
+            raise
+        set_rpc_status(span, grpc.StatusCode.OK)
+        return response
+
+
 async def _release(backends: Backends, session_id: str) -> None:
     try:
-        await backends.verify.Release(verify_pb2.ReleaseRequest(session_id=session_id), timeout=5)
+        await _traced_call(backends, "Release", verify_pb2.ReleaseRequest(session_id=session_id), timeout=5)
     except grpc.RpcError as error:
         log.warning("release of session %s failed: %s", session_id, _describe(error))
 

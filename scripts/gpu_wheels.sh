@@ -9,8 +9,7 @@ packages=(
     "protobuf==7.36.2" "grpcio==1.85.3" "grpcio-health-checking==1.85.1" "grpcio-reflection==1.85.1"
     "fastapi==0.165.0" "starlette==1.10.0" "pydantic==2.14.4" "pydantic-core==2.50.5" "annotated-types==0.8.0"
     "typing-inspection==0.4.5" "uvicorn==0.55.0" "opentelemetry-api==1.45.2" "opentelemetry-sdk==1.45.2"
-    "opentelemetry-semantic-conventions==0.66b2" "opentelemetry-instrumentation==0.66b2"
-    "opentelemetry-instrumentation-grpc==0.66b2" "opentelemetry-exporter-otlp-proto-grpc==1.45.2"
+    "opentelemetry-semantic-conventions==0.66b2" "opentelemetry-exporter-otlp-proto-grpc==1.45.2"
     "opentelemetry-exporter-otlp-proto-common==1.45.2" "opentelemetry-proto==1.45.2" "googleapis-common-protos==1.76.0"
 )
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -1,4 +1,4 @@
-"""What both gRPC services share: the error interceptor, health, reflection, serving."""
+"""What both gRPC services share: the error (and tracing) interceptor, health, reflection, serving."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.trace import SpanKind
 
 from specserve.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted
-from specserve.telemetry import grpc_server_interceptors
+from specserve.telemetry import extract, rpc_span, set_rpc_status, tracing_enabled
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,20 @@ def _abort(context: grpc.ServicerContext, error: BaseException, method: str) -> 
     context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(error).__name__}")
 
 
+def _code_of(error: BaseException) -> grpc.StatusCode:
+    if isinstance(error, RequestError):
+        return status_of(error)
+    return grpc.StatusCode.INTERNAL
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Maps request errors to their status codes in one place; a bug answers INTERNAL and
-    the service keeps serving the other requests."""
+    the service keeps serving the other requests. With tracing on, each unary call of the
+    service's own API also gets a server span, a child of the caller's trace context (the
+    draft stream traces each of its messages itself; health and reflection are not traced)."""
+
+    def __init__(self, traced: bool | None = None):
+        self._traced = tracing_enabled() if traced is None else traced
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -50,8 +62,9 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             return None
         method = handler_call_details.method
         if handler.unary_unary is not None:
+            traced = self._traced and method.startswith("/specserve.")
             return grpc.unary_unary_rpc_method_handler(
-                _guard_unary(handler.unary_unary, method),
+                (_traced_unary if traced else _guard_unary)(handler.unary_unary, method),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
@@ -72,6 +85,21 @@ def _guard_unary(behavior: Callable, method: str) -> Callable:
             _abort(context, error, method)
 
     return guarded
+
+
+def _traced_unary(behavior: Callable, method: str) -> Callable:
+    def traced(request, context):
+        parent = extract(dict(context.invocation_metadata()))
+        with rpc_span(SpanKind.SERVER, method, parent) as span:
+            try:
+                reply = behavior(request, context)
+            except Exception as error:  # noqa: BLE001
+                set_rpc_status(span, _code_of(error))
+                _abort(context, error, method)
+            set_rpc_status(span, grpc.StatusCode.OK)
+            return reply
+
+    return traced
 
 
 def _guard_stream(behavior: Callable, method: str) -> Callable:
@@ -102,8 +130,7 @@ SERVER_OPTIONS = [
 def make_server(max_workers: int) -> grpc.Server:
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-        # Tracing outermost, so a server span sees the status the error interceptor sets.
-        interceptors=[*grpc_server_interceptors(), ErrorInterceptor()],
+        interceptors=[ErrorInterceptor()],
         options=SERVER_OPTIONS,
     )
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 
 from opentelemetry import context, propagate, trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 log = logging.getLogger(__name__)
 
@@ -51,31 +53,37 @@ def tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
 
 
-def grpc_server_interceptors() -> list:
-    """Server spans (rpc.system, rpc.service, rpc.method, status) for every RPC but health."""
-    if not isinstance(trace.get_tracer_provider(), _sdk_provider_type()):
-        return []
-    from opentelemetry.instrumentation.grpc import server_interceptor
-
-    return [server_interceptor(filter_=_traced_rpcs())]
+def tracing_enabled() -> bool:
+    """Whether an SDK tracer provider is installed (setup_tracing found an exporter)."""
+    return isinstance(trace.get_tracer_provider(), _sdk_provider_type())
 
 
-def grpc_aio_client_interceptors() -> list:
-    if not isinstance(trace.get_tracer_provider(), _sdk_provider_type()):
-        return []
-    from opentelemetry.instrumentation.grpc import aio_client_interceptors
+# RPC spans are made here rather than by the generic grpc instrumentation's interceptors:
+# those cost 150-200 us a call on each side here (measured on a loopback unary call of about
+# 600 us), sampled or not, and a round makes two calls.
+@contextmanager
+def rpc_span(kind: SpanKind, full_method: str, parent: context.Context | None = None) -> Iterator[Span]:
+    """The span of one RPC, full_method as "/package.Service/Method": rpc.system, rpc.service,
+    rpc.method, and rpc.grpc.status_code (set_rpc_status) when it ends."""
+    service, _, method = full_method.lstrip("/").rpartition("/")
+    attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
+    with tracer().start_as_current_span(
+        f"{service}/{method}", context=parent, kind=kind, attributes=attributes,
+        record_exception=False, set_status_on_exception=False,
+    ) as span:  # fmt: skip
+        yield span
 
-    return aio_client_interceptors(filter_=_traced_rpcs())
+
+def set_rpc_status(span: Span, code) -> None:
+    """Records a grpc.StatusCode on an RPC span (an error status unless OK)."""
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code.value[0] != 0:
+        span.set_status(Status(StatusCode.ERROR, code.name))
 
 
-def _traced_rpcs():
-    """Every RPC but health checks and the draft stream, which outlives its rounds: each of
-    its messages gets a client and a server span of its own instead."""
-    from opentelemetry.instrumentation.grpc import filters
-
-    return filters.negate(
-        filters.any_of(filters.health_check(), filters.full_method_name("/specserve.v1.DraftService/Draft"))
-    )
+def metadata_with_trace_context() -> tuple[tuple[str, str], ...]:
+    """gRPC call metadata carrying the current trace context."""
+    return tuple(inject({}).items())
 
 
 def inject(carrier: MutableMapping[str, str]) -> MutableMapping[str, str]:

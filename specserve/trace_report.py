@@ -23,7 +23,6 @@ import grpc
 
 ROUND = "round"
 DRAFT_CLIENT = "specserve.v1.DraftService/Draft propose"
-VERIFY_METHOD = "/specserve.v1.VerifyService/Verify"
 
 
 class SpanCollector:
