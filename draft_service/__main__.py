@@ -22,9 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(DraftConfig, "draft", argv, "specserve draft", "Serve the draft model (DraftService).")
     setup_logging("draft")
     tracing = setup_tracing("specserve-draft", config.trace_console, config.trace_sample_ratio)
-    models = {"draft_model": load_for_service(config)}
+    # A draft need not be bitwise row-independent: verification keeps the output exact.
+    models = {"draft_model": load_for_service(config, row_invariant=False)}
     if config.early_exit_model:
-        models["early_exit"] = load_for_service(config, config.early_exit_model, config.early_exit_layers)
+        models["early_exit"] = load_for_service(
+            config, config.early_exit_model, config.early_exit_layers, row_invariant=False
+        )
     loaded = models["draft_model"]
     metrics = ServiceMetrics("drafter")
     metrics.serve(config.host, config.metrics_port)

@@ -23,14 +23,19 @@ class DraftConfig(TracingOptions):
     max_wait_ms: float = field(0.0, "how long a lone request waits for others to share its batch")
     matmul_dtype: str = field(
         "auto",
-        "dtype of the runner's weight matrices: auto (a 16-bit checkpoint on CPU: bfloat16 where the CPU has it, else float16), or a dtype",
+        "dtype of the runner's weight matrices: auto (a 16-bit checkpoint on CPU: bfloat16 where the CPU has it, else float16; "
+        "float32 for a model under 16 MiB of float32 matrices, which the CPU's caches hold), or a dtype",
     )
     backend: str = field(
         "auto", "model backend: auto (our runner for the Llama family, else transformers), runner, transformers"
     )
     max_model_len: int = field(4096, "longest sequence served (capped by the model's own limit); sizes the KV cache")
     max_batched_tokens: int = field(2048, "most tokens in one forward; longer prompts are prefilled in chunks")
-    threads: int = field(0, "torch CPU threads for the model (0: torch's default)")
+    threads: int = field(
+        1,
+        "torch CPU threads for the model (0: torch's default). One: a draft's matrices are small, and a "
+        "second thread cost more in hand-offs than it saved",
+    )
     max_workers: int = field(300, "gRPC worker threads (each open stream holds one)")
     metrics_port: int = field(9101, "port of the Prometheus /metrics endpoint (0: none)")
     health_port: int = field(

@@ -63,7 +63,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=str(DEMO_TARGET))
     parser.add_argument("--draft", default=str(DEMO_DRAFT))
     parser.add_argument("--rounds", type=int, default=6, help="passes over the prompts")

@@ -28,7 +28,7 @@ import httpx
 
 from specserve.paths import DEMO_DRAFT, DEMO_TARGET
 
-WORKLOADS = ("code", "edit", "chat")
+WORKLOADS = ("code", "edit", "chat", "mixed")
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -44,6 +44,9 @@ def workload_prompts(workload: str, count: int) -> list:
         return edit_prompts(count)
     if workload == "chat":
         return chat_prompts(count)
+    if workload == "mixed":  # the three interleaved: what one server sees from many users
+        parts = [workload_prompts(w, -(-count // 3)) for w in ("code", "edit", "chat")]
+        return [p for group in zip(*parts) for p in group][:count]
     raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
 
 
@@ -59,6 +62,7 @@ class Row:
     k: int = 0
     adaptive: bool = False
     pipeline: bool = False
+    min_draft_probability: float = 0.0
     requests: int = 0
     completion_tokens: int = 0
     wall_seconds: float = 0.0
@@ -74,7 +78,7 @@ class Row:
 
     @property
     def label(self) -> str:
-        return row_label(self.method, self.k, self.adaptive, self.pipeline)
+        return row_label(self.method, self.k, self.adaptive, self.pipeline, self.min_draft_probability)
 
     @property
     def tokens_per_s(self) -> float:
@@ -101,13 +105,15 @@ class Row:
             self.accepted_per_position[i] += count
 
 
-def row_label(method: str, k: int, adaptive: bool = False, pipeline: bool = False) -> str:
+def row_label(method: str, k: int, adaptive: bool = False, pipeline: bool = False, min_p: float = 0.0) -> str:
     if method in SPECULATIVE:
-        return f"{method} K={k}" + (" adaptive" if adaptive else "") + (" pipelined" if pipeline else "")
+        return (f"{method} K={k}" + (" adaptive" if adaptive else "") + (f" p>={min_p:g}" if min_p else "")
+                + (" pipelined" if pipeline else ""))  # fmt: skip
     return method
 
 
 SPECULATIVE = ("draft_model", "early_exit", "ngram")
+ADAPTIVE_MIN_PROBABILITY = 0.0
 
 
 def analyse(row: Row, baseline: Row | None) -> dict:
@@ -149,7 +155,9 @@ def stream_one(
     """One streamed request: (usage, time to first token, per-token gaps after it, seconds)."""
     speculation = {"method": row.method, **({"num_speculative_tokens": row.k} if row.k else {})}
     if row.method in SPECULATIVE:
-        speculation.update(adaptive=row.adaptive, pipeline=row.pipeline)
+        speculation.update(
+            adaptive=row.adaptive, pipeline=row.pipeline, min_draft_probability=row.min_draft_probability
+        )
     body = {"max_tokens": max_tokens, "temperature": row.temperature, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}, "return_timings": True, "return_token_ids": True,
             "speculation": speculation}  # fmt: skip
@@ -243,7 +251,8 @@ def plan_rows(args) -> list[Row]:
                 rows.append(Row(workload, temperature, clients, "none"))
                 rows += [Row(workload, temperature, clients, method, k) for method in args.methods for k in args.k]
                 if args.adaptive:
-                    rows.append(Row(workload, temperature, clients, "draft_model", max(args.k), adaptive=True))
+                    rows.append(Row(workload, temperature, clients, "draft_model", max(args.k), adaptive=True,
+                                    min_draft_probability=args.adaptive_min_probability))  # fmt: skip
                 if args.pipeline:
                     rows += [Row(workload, temperature, clients, "draft_model", k, pipeline=True) for k in args.k]
                 if clients == 1 and args.transformers:
@@ -283,7 +292,7 @@ def results(rows: list[Row]) -> list[dict]:
         single = next((r for r in rows if (r.workload, r.temperature, r.label) ==
                        (row.workload, row.temperature, row.label) and r.clients == 1), None)  # fmt: skip
         record = {"workload": row.workload, "temperature": row.temperature, "clients": row.clients, "method": row.method,
-                  "k": row.k, "adaptive": row.adaptive, "pipeline": row.pipeline, "label": row.label,
+                  "k": row.k, "adaptive": row.adaptive, "pipeline": row.pipeline, "min_draft_probability": row.min_draft_probability, "label": row.label,
                   "requests": row.requests, "completion_tokens": row.completion_tokens,
                   **analyse(row, baseline)}  # fmt: skip
         if single is not None and single.tokens_per_s:
@@ -407,7 +416,7 @@ def start_stack(args, with_ports: bool = False):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specserve bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="specserve bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running gateway; default: start the stack on --target/--draft")
     parser.add_argument("--target", default=str(DEMO_TARGET))
     parser.add_argument("--draft", default=str(DEMO_DRAFT))
@@ -420,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         "--methods", nargs="+", default=["draft_model"], choices=SPECULATIVE, help="speculative methods"
     )
     parser.add_argument("--adaptive", action="store_true", help="add a row with adaptive K (starting at the largest K)")
+    parser.add_argument("--adaptive-min-probability", type=float, default=ADAPTIVE_MIN_PROBABILITY,
+                        help="the adaptive row's min_draft_probability: drafting stops below it")  # fmt: skip
     parser.add_argument("--pipeline", action="store_true", help="add pipelined draft_model rows for each K")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--prompts", type=int, default=8, help="prompts per workload")

@@ -58,7 +58,7 @@ def header_check(url: str, headers: list[str], max_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specserve eval-demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="specserve eval-demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--prompts", type=int, default=24, help="held-out code prompts per setting")
     parser.add_argument("--max-tokens", type=int, default=64)

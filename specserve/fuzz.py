@@ -127,7 +127,7 @@ def fuzz_grpc(verify_address: str, draft_address: str, count: int, tally: Tally)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specserve fuzz", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="specserve fuzz", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--verify-address", default="127.0.0.1:50052")
     parser.add_argument("--draft-address", default="127.0.0.1:50051")

@@ -51,9 +51,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def load_for_service(config, model: str | None = None, num_layers: int | None = None) -> LoadedModel:
+def load_for_service(
+    config, model: str | None = None, num_layers: int | None = None, row_invariant: bool = True
+) -> LoadedModel:
     """Loads config.model (or model) as a service config asks (device, dtype, threads,
-    backend, slots); num_layers keeps the first layers only (early exit)."""
+    backend, slots); num_layers keeps the first layers only (early exit); row_invariant=False
+    for a draft (see auto_matmul_dtype)."""
     from specserve.config import resolve_device
 
     device = resolve_device(config.device)
@@ -69,6 +72,7 @@ def load_for_service(config, model: str | None = None, num_layers: int | None = 
         max_model_len=config.max_model_len,
         matmul_dtype=config.matmul_dtype,
         num_layers=num_layers,
+        row_invariant=row_invariant,
     )
 
 
@@ -82,6 +86,7 @@ def load_model(
     max_model_len: int = 4096,
     matmul_dtype: str = "auto",
     num_layers: int | None = None,
+    row_invariant: bool = True,
 ) -> LoadedModel:
     from transformers import AutoConfig
 
@@ -93,7 +98,7 @@ def load_model(
     if num_layers is not None and backend == "transformers":
         raise ValueError("early exit (num_layers) needs the runner backend")
     loaded_backend = _load_backend(
-        directory, config, device, dtype, backend, num_slots, max_model_len, matmul, num_layers
+        directory, config, device, dtype, backend, num_slots, max_model_len, matmul, num_layers, row_invariant
     )
     log.info(
         "loaded %s with the %s backend (%s, %s%s) in %.1f s",
@@ -128,6 +133,7 @@ def _load_backend(
     max_model_len: int,
     matmul_dtype,
     num_layers=None,
+    row_invariant=True,
 ) -> Backend:
     from specserve.runner import LlamaRunner, UnsupportedModel
 
@@ -135,7 +141,10 @@ def _load_backend(
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if backend in ("auto", "runner"):
         try:
-            runner = LlamaRunner(str(directory), device, dtype, num_slots, max_model_len, matmul_dtype, num_layers)
+            runner = LlamaRunner(
+                str(directory), device, dtype, num_slots, max_model_len, matmul_dtype, num_layers,
+                row_invariant=row_invariant,
+            )  # fmt: skip
             return RunnerBackend(runner)
         except UnsupportedModel as error:
             if backend == "runner" or num_layers is not None:

@@ -72,7 +72,7 @@ def write_stubs() -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specserve gen-protos", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="specserve gen-protos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only report whether the committed stubs are current")
     args = parser.parse_args(argv)
     if args.check:

@@ -103,7 +103,9 @@ class _BatchLayout:
     exact: list[tuple[int, int]] | None  # (slot, position) per token when attention runs query by query
 
 
-def auto_matmul_dtype(weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.dtype:
+def auto_matmul_dtype(
+    weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, row_invariant: bool = True
+) -> torch.dtype:
     """The matrices' dtype when none is asked for. On a CPU a decode step streams every
     matrix from memory, so a 16-bit checkpoint keeps 16-bit matrices. Measured on this
     project's CPU (AVX512-BF16, the 14M-parameter demo target, one forward): float32 8 ms at
@@ -111,11 +113,21 @@ def auto_matmul_dtype(weights: dict[str, torch.Tensor], device: torch.device, dt
     and round differently with the number of rows); bfloat16 4.7 ms at 1 and 4.7 at 5, the
     same for every row count. Verifying K + 1 tokens at the price of one step is what makes
     speculation pay, so bfloat16 where the CPU multiplies it natively, float16 elsewhere.
-    Activations, norms and the KV cache stay in dtype. On CUDA dtype is already 16-bit."""
+    Activations, norms and the KV cache stay in dtype. On CUDA dtype is already 16-bit.
+    Where results need not be row-independent (a draft: verification keeps output exact
+    whatever it proposes), a model whose matrices take under SMALL_MODEL_BYTES in float32
+    stays float32: they stay in the CPU's caches, so 16 bits save no memory traffic and the
+    conversions dominate (the 1.5M-parameter demo draft: float32 0.8 ms a decode step,
+    bfloat16 1.1 ms)."""
     checkpoint = next(iter(weights.values())).dtype
     if device.type != "cpu" or dtype != torch.float32 or checkpoint not in (torch.float16, torch.bfloat16):
         return dtype
+    if not row_invariant and sum(w.numel() for w in weights.values() if w.dim() == 2) * 4 < SMALL_MODEL_BYTES:
+        return torch.float32
     return torch.bfloat16 if cpu_has_bf16() else torch.float16
+
+
+SMALL_MODEL_BYTES = 16 * 2**20
 
 
 def cpu_has_bf16() -> bool:
@@ -153,10 +165,12 @@ class LlamaRunner:
         matmul_dtype: torch.dtype | None = None,
         num_layers: int | None = None,
         exact_attention: bool = True,
+        row_invariant: bool = True,
     ):
         """dtype is what activations, norms and the KV cache use; matmul_dtype is what the
         weight matrices are kept and multiplied in (None: see auto_matmul_dtype). num_layers
-        keeps only the first layers (then the final norm and LM head): an early-exit model."""
+        keeps only the first layers (then the final norm and LM head): an early-exit model.
+        row_invariant=False (a draft's) lets auto_matmul_dtype trade row-independence for speed."""
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
@@ -167,7 +181,7 @@ class LlamaRunner:
         self.max_len = min(max_len, self.spec.max_positions)
         self.inv_freq, self.rope_scaling = _rope_parameters(config, device)
         weights = load_safetensors(Path(directory))
-        self.matmul_dtype = matmul_dtype or auto_matmul_dtype(weights, device, dtype)
+        self.matmul_dtype = matmul_dtype or auto_matmul_dtype(weights, device, dtype, row_invariant)
         self.exact_attention = exact_attention
         self._load(weights)
         # Head-major, so that a row's keys of one head are contiguous: attention reads them

@@ -214,7 +214,7 @@ def report(spans: list[dict], out_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specserve trace", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="specserve trace", description=__doc__.split("\n\n")[0])
     parser.add_argument("--listen", default="127.0.0.1:4317", help="OTLP/gRPC address to receive spans on")
     parser.add_argument("--duration", type=float, default=0, help="seconds to listen (0: until Ctrl-C)")
     parser.add_argument("--input", help="read spans saved by an earlier run instead of listening")

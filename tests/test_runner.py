@@ -117,10 +117,14 @@ def test_slots_run_out_and_come_back(model_dir):
     assert runner.allocate() == first and second is not None
 
 
-def test_float16_checkpoint_keeps_16_bit_matrices_and_stays_close(tmp_path):
+def test_float16_checkpoint_keeps_16_bit_matrices_and_stays_close(tmp_path, monkeypatch):
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON)).eval()
     model.half().save_pretrained(tmp_path)  # weights exactly representable in float16
+    draft = LlamaRunner(str(tmp_path), CPU, torch.float32, num_slots=1, max_len=256, row_invariant=False)
+    assert draft.matmul_dtype == torch.float32  # a draft this small stays in the caches: float32
+    monkeypatch.setattr("specserve.runner.SMALL_MODEL_BYTES", 0)  # as if it were large
+    assert LlamaRunner(str(tmp_path), CPU, torch.float32, 1, 256, row_invariant=False).matmul_dtype != torch.float32
     runner = LlamaRunner(str(tmp_path), CPU, torch.float32, num_slots=1, max_len=256)
     assert runner.matmul_dtype in (torch.float16, torch.bfloat16) and runner.layers[0].input_norm.dtype == torch.float32
     exact = LlamaRunner(str(tmp_path), CPU, torch.float32, num_slots=1, max_len=256, matmul_dtype=torch.float32)
