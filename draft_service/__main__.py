@@ -14,7 +14,6 @@ from specserve.logs import setup_logging
 from specserve.metrics import ServiceMetrics
 from specserve.models import load_for_service
 from specserve.telemetry import setup_tracing
-from specserve.tls import server_credentials
 from specserve.v1 import draft_pb2_grpc
 
 
@@ -35,19 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     batcher = Batcher(drafter.step, config.max_batch, config.max_wait_ms / 1000, name="drafter", own_thread=False)
     servicer = DraftServicer(drafter, batcher, loaded, config, metrics)
     register = lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)  # noqa: E731
-    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-    run_service(
-        SERVICE_NAME,
-        register,
-        config.address,
-        config.max_workers,
-        config.grace_s,
-        credentials,
-        config.health_port,
-        batcher,
-    )
-    if tracing is not None:
-        tracing.shutdown()  # flushes spans still buffered
+    run_service(SERVICE_NAME, register, config, batcher, tracing)
     return 0
 
 

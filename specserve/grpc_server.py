@@ -15,6 +15,7 @@ from opentelemetry.trace import SpanKind
 
 from specserve.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted
 from specserve.telemetry import extract, rpc_span, set_rpc_status, tracing_enabled
+from specserve.tls import server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -203,25 +204,21 @@ def serve_until_signalled(
     stopped.wait()
 
 
-def run_service(
-    service_name: str,
-    register: Callable[[grpc.Server], None],
-    address: str,
-    max_workers: int,
-    grace_s: float,
-    credentials: grpc.ServerCredentials | None = None,
-    health_port: int = 0,
-    batcher=None,
-) -> None:
-    """Builds the server around one servicer (register adds it) and serves until signalled,
-    running the batcher's worker (if any) on this, the main, thread."""
-    server = make_server(max_workers)
+def run_service(service_name: str, register: Callable[[grpc.Server], None], config, batcher=None, tracing=None) -> None:
+    """Builds the server around one servicer (register adds it) as a service config asks
+    (address, max_workers, grace_s, TLS files, health_port) and serves until signalled,
+    running the batcher's worker (if any) on this, the main, thread; then flushes the spans
+    tracing (a tracer provider, if any) still buffers."""
+    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    server = make_server(config.max_workers)
     register(server)
     servicer = add_health_and_reflection(server, [service_name])
-    health_server = start_health_port(servicer, address.rsplit(":", 1)[0], health_port)
+    health_server = start_health_port(servicer, config.address.rsplit(":", 1)[0], config.health_port)
     serve_until_signalled(
-        server, servicer, [service_name], address, grace_s, credentials,
+        server, servicer, [service_name], config.address, config.grace_s, credentials,
         main_loop=batcher.run if batcher else None, on_stopped=batcher.close if batcher else None,
     )  # fmt: skip
     if health_server is not None:
         health_server.stop(0)
+    if tracing is not None:
+        tracing.shutdown()

@@ -13,7 +13,6 @@ from specserve.logs import setup_logging
 from specserve.metrics import ServiceMetrics
 from specserve.models import load_for_service
 from specserve.telemetry import setup_tracing
-from specserve.tls import server_credentials
 from specserve.v1 import verify_pb2_grpc
 from verify_service.config import VerifyConfig
 from verify_service.engine import SweepJob, Verifier
@@ -43,19 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     servicer = VerifyServicer(batcher, loaded, config, metrics)
     start_sweeper(batcher, config.session_ttl_s)
     register = lambda server: verify_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, server)  # noqa: E731
-    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-    run_service(
-        SERVICE_NAME,
-        register,
-        config.address,
-        config.max_workers,
-        config.grace_s,
-        credentials,
-        config.health_port,
-        batcher,
-    )
-    if tracing is not None:
-        tracing.shutdown()  # flushes spans still buffered
+    run_service(SERVICE_NAME, register, config, batcher, tracing)
     return 0
 
 
