@@ -149,6 +149,19 @@ def _pct(values: list[float], q: float) -> float:
 # ----------------------------------------------------------------------------- stack rows
 
 
+def stream_chunks(reply: httpx.Response):
+    """The JSON chunks of a streamed completion (its SSE data lines); an error chunk raises."""
+    if reply.status_code != 200:
+        raise RuntimeError(f"{reply.request.url.path} answered {reply.status_code}: {reply.read().decode()[:300]}")
+    for line in reply.iter_lines():
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(f"stream error: {chunk['error']['message']}")
+        yield chunk
+
+
 def stream_one(
     client: httpx.Client, url: str, prompt, row: Row, max_tokens: int, seed: int
 ) -> tuple[dict, float, list[float], float]:
@@ -166,14 +179,7 @@ def stream_one(
     started = time.perf_counter()
     first, last, gaps, usage = None, None, [], None
     with client.stream("POST", f"{url}{path}", json=body, timeout=600) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"{path} answered {reply.status_code}: {reply.read().decode()[:300]}")
-        for line in reply.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
+        for chunk in stream_chunks(reply):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             tokens = sum(len(c.get("token_ids", [])) for c in chunk.get("choices", []))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from specserve.bench import start_stack
+from specserve.bench import start_stack, stream_chunks
 from specserve.paths import DEMO_DRAFT, DEMO_TARGET
 
 
@@ -53,14 +53,7 @@ def stream(client: httpx.Client, url: str, body: dict, cancel_after: int | None)
     with client.stream(
         "POST", f"{url}/v1/completions", json={**body, "stream": True, "return_token_ids": True}
     ) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"HTTP {reply.status_code}: {reply.read().decode()[:200]}")
-        for line in reply.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']['message']}")
+        for chunk in stream_chunks(reply):
             for choice in chunk["choices"]:
                 tokens.extend(choice.get("token_ids", []))
             if cancel_after is not None and len(tokens) >= cancel_after:
