@@ -72,20 +72,50 @@ class RunnerSpec:
         )
 
 
+class _Linear:
+    """x @ weight.T (+ bias) in the weight's dtype, returned in x's dtype.
+
+    On a CPU, F.linear hands a 16-bit weight to oneDNN, which reorders the whole matrix into
+    its blocked layout on every call: for one row that reorder is most of the cost (the demo
+    target's 25 matrices: 1.9 ms a decode step, 0.9 ms reordered once here). The prepacked
+    product is the same oneDNN kernel, bitwise equal to F.linear's and row-independent."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.dtype = weight.dtype
+        self.bias = bias
+        self.packed = _prepack(weight)
+        self.weight = weight if self.packed is None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = x if x.dtype == self.dtype else x.to(self.dtype)
+        if self.packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(h, self.packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(h, self.weight, self.bias)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a bfloat16 CPU matrix, or None where F.linear is used as is."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+    except (AttributeError, RuntimeError) as error:  # a torch without the op, or a CPU oneDNN cannot serve
+        log.info("bfloat16 matrices not prepacked (%s); F.linear reorders them per call", error)
+        return None
+
+
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: q, k, v fused in one matmul
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, heads * head_dim]
-    o_bias: torch.Tensor | None
+    qkv: _Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]: q, k, v fused in one matmul
+    o: _Linear  # [hidden, heads * head_dim]
     q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate and up fused
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [hidden, intermediate]
-    down_bias: torch.Tensor | None
+    gate_up: _Linear  # [2 * intermediate, hidden]: gate and up fused
+    down: _Linear  # [hidden, intermediate]
 
 
 @dataclass(frozen=True)
@@ -108,10 +138,10 @@ def auto_matmul_dtype(
 ) -> torch.dtype:
     """The matrices' dtype when none is asked for. On a CPU a decode step streams every
     matrix from memory, so a 16-bit checkpoint keeps 16-bit matrices. Measured on this
-    project's CPU (AVX512-BF16, the 14M-parameter demo target, one forward): float32 8 ms at
-    1 token and 19 ms at 5; float16 2.6 ms at 1 but 6.4 at 5 (its kernels work row by row,
-    and round differently with the number of rows); bfloat16 4.7 ms at 1 and 4.7 at 5, the
-    same for every row count. Verifying K + 1 tokens at the price of one step is what makes
+    project's CPU (AVX512-BF16, two threads, the 14M-parameter demo target's 25 matrices):
+    float32 5.9 ms at 1 row and 9.9 at 5; float16 1.0 ms at 1 but 4.2 at 5 (its kernels work
+    row by row, and round differently with the number of rows); bfloat16, prepacked (see
+    _Linear), 0.9 ms at 1 and 1.0 at 5, the same for every row count. Verifying K + 1 tokens at the price of one step is what makes
     speculation pay, so bfloat16 where the CPU multiplies it natively, float16 elsewhere.
     Activations, norms and the KV cache stay in dtype. On CUDA dtype is already 16-bit.
     Where results need not be row-independent (a draft: verification keeps output exact
@@ -179,7 +209,10 @@ class LlamaRunner:
             self.spec = dataclasses.replace(self.spec, num_layers=min(num_layers, self.spec.num_layers))
         self.device, self.dtype = device, dtype
         self.max_len = min(max_len, self.spec.max_positions)
-        self.inv_freq, self.rope_scaling = _rope_parameters(config, device)
+        inv_freq, scaling = _rope_parameters(config, device)
+        freqs = torch.arange(self.max_len, device=device, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, head_dim]
+        self._cos, self._sin = (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
         weights = load_safetensors(Path(directory))
         self.matmul_dtype = matmul_dtype or auto_matmul_dtype(weights, device, dtype, row_invariant)
         self.exact_attention = exact_attention
@@ -224,9 +257,9 @@ class LlamaRunner:
         def matrix(name: str) -> torch.Tensor:
             return take(name, self.matmul_dtype)
 
-        def fused(*names: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        def fused(*names: str, dtype: torch.dtype | None = None, required: bool = False) -> torch.Tensor | None:
             parts = [maybe(n, dtype) for n in names]
-            if all(p is None for p in parts):
+            if all(p is None for p in parts) and not required:
                 return None
             if any(p is None for p in parts):
                 raise UnsupportedModel(f"checkpoint has only some of {', '.join(names)}")
@@ -235,29 +268,29 @@ class LlamaRunner:
         self.embed = matrix("model.embed_tokens.weight")  # rows are gathered, then cast to dtype
         self.norm = take("model.norm.weight")
         tied = self.spec.tie_word_embeddings and "lm_head.weight" not in weights
-        self.lm_head = self.embed if tied else matrix("lm_head.weight")
+        self.lm_head = _Linear(self.embed if tied else matrix("lm_head.weight"))
         self.layers = []
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
+            q, k, v = (attn + name for name in ("q_proj", "k_proj", "v_proj"))
+            gate, up = mlp + "gate_proj", mlp + "up_proj"
             self.layers.append(
                 _Layer(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=fused(
-                        attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight", dtype=self.matmul_dtype
+                    qkv=_Linear(
+                        fused(q + ".weight", k + ".weight", v + ".weight", dtype=self.matmul_dtype, required=True),
+                        fused(q + ".bias", k + ".bias", v + ".bias", dtype=self.matmul_dtype),
                     ),
-                    qkv_bias=fused(
-                        attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias", dtype=self.matmul_dtype
-                    ),
-                    o=matrix(attn + "o_proj.weight"),
-                    o_bias=maybe(attn + "o_proj.bias", self.matmul_dtype),
+                    o=_Linear(matrix(attn + "o_proj.weight"), maybe(attn + "o_proj.bias", self.matmul_dtype)),
                     q_norm=maybe(attn + "q_norm.weight"),
                     k_norm=maybe(attn + "k_norm.weight"),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=fused(mlp + "gate_proj.weight", mlp + "up_proj.weight", dtype=self.matmul_dtype),
-                    gate_up_bias=fused(mlp + "gate_proj.bias", mlp + "up_proj.bias", dtype=self.matmul_dtype),
-                    down=matrix(mlp + "down_proj.weight"),
-                    down_bias=maybe(mlp + "down_proj.bias", self.matmul_dtype),
+                    gate_up=_Linear(
+                        fused(gate + ".weight", up + ".weight", dtype=self.matmul_dtype, required=True),
+                        fused(gate + ".bias", up + ".bias", dtype=self.matmul_dtype),
+                    ),
+                    down=_Linear(matrix(mlp + "down_proj.weight"), maybe(mlp + "down_proj.bias", self.matmul_dtype)),
                 )
             )
         if self.spec.qk_norm and self.layers[0].q_norm is None:
@@ -275,7 +308,7 @@ class LlamaRunner:
         layout = self._layout(slots, starts, counts)
         ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=self.device)  # [T]
         x = self.embed[ids].to(self.dtype)  # [T, hidden]
-        cos, sin = self._rope(layout.token_positions)  # [T, head_dim]
+        cos, sin = self._rope(layout)  # [T, head_dim]
         for index, layer in enumerate(self.layers):
             x = x + self._attention(
                 index, layer, _rms_norm(x, layer.input_norm, self.spec.rms_norm_eps), cos, sin, layout
@@ -288,23 +321,23 @@ class LlamaRunner:
             picked = torch.cat([torch.arange(int(e) - k, int(e), device=self.device) for e, k in zip(ends, num_logits)])
             selected = x[picked]
         hidden = _rms_norm(selected, self.norm, self.spec.rms_norm_eps)  # [sum(num_logits), hidden]
-        logits = _linear(hidden, self.lm_head).float()  # [sum(num_logits), vocab]
+        logits = self.lm_head(hidden).float()  # [sum(num_logits), vocab]
         return list(logits.split(num_logits))
 
     def _layout(self, slots: list[int], starts: list[int], counts: list[int]) -> _BatchLayout:
+        # Index lists are built in Python: a forward's few hundred ints cost less that way
+        # than the dozen small tensor ops that would make them.
         device = self.device
         batch, n_max = len(counts), max(counts)
         kv_len = max(s + n for s, n in zip(starts, counts))
-        starts_t = torch.tensor(starts, device=device)
-        counts_t = torch.tensor(counts, device=device)
-        rows = torch.repeat_interleave(torch.arange(batch, device=device), counts_t)  # [T]
-        local = torch.arange(len(rows), device=device) - torch.repeat_interleave(
-            counts_t.cumsum(0) - counts_t, counts_t
-        )
-        slots_t = torch.tensor(slots, device=device)
+        rows = [b for b, n in enumerate(counts) for _ in range(n)]  # [T]
+        local = [i for n in counts for i in range(n)]
+        positions = [starts[b] + i for b, i in zip(rows, local)]
+        exact = self.exact_attention and n_max <= EXACT_MAX_QUERIES
         mask = None
-        if n_max > 1 or batch > 1 or self.spec.sliding_window is not None:
+        if not exact and (n_max > 1 or batch > 1 or self.spec.sliding_window is not None):
             # A lone row of one token attends to every cached key, which SDPA does unmasked.
+            starts_t, counts_t = torch.tensor(starts, device=device), torch.tensor(counts, device=device)
             query_pos = starts_t[:, None] + torch.arange(n_max, device=device)[None, :]  # [batch, n_max]
             key_pos = torch.arange(kv_len, device=device)
             allowed = key_pos[None, None, :] <= query_pos[:, :, None]  # causal, offset per row
@@ -314,59 +347,69 @@ class LlamaRunner:
             allowed[padding] = key_pos == 0  # padded queries attend somewhere (their output is dropped)
             mask = allowed[:, None]  # [batch, 1, n_max, kv_len]
         return _BatchLayout(
-            slots=slots_t,
-            token_slots=slots_t[rows],
-            token_positions=starts_t[rows] + local,
-            pad_index=rows * n_max + local,
+            slots=torch.tensor(slots, device=device),
+            token_slots=torch.tensor([slots[b] for b in rows], device=device),
+            token_positions=torch.tensor(positions, device=device),
+            pad_index=torch.tensor([b * n_max + i for b, i in zip(rows, local)], device=device),
             n_max=n_max,
             kv_len=kv_len,
             mask=mask,
             single=(slots[0], starts[0]) if batch == 1 else None,
-            exact=[(slot, start + i) for slot, start, n in zip(slots, starts, counts) for i in range(n)]
-            if self.exact_attention and n_max <= EXACT_MAX_QUERIES
-            else None,
+            exact=[(slots[b], p) for b, p in zip(rows, positions)] if exact else None,
         )
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, head_dim / 2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.rope_scaling).to(self.dtype), (emb.sin() * self.rope_scaling).to(self.dtype)
+    def _rope(self, layout: _BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, head_dim] of each token's position, from the table made at load."""
+        if layout.single is not None:
+            start = layout.single[1]
+            end = start + layout.token_positions.shape[0]
+            return self._cos[start:end], self._sin[start:end]  # views
+        return self._cos[layout.token_positions], self._sin[layout.token_positions]
 
     def _attention(self, index: int, layer: _Layer, h: torch.Tensor, cos, sin, layout: _BatchLayout) -> torch.Tensor:
         spec = self.spec
         heads, kv_heads, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        qkv = _linear(h, layer.qkv, layer.qkv_bias)  # [T, (heads + 2 kv_heads) d]
-        q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-        q, k, v = q.view(-1, heads, d), k.view(-1, kv_heads, d), v.view(-1, kv_heads, d)
+        qkv = layer.qkv(h)  # [T, (heads + 2 kv_heads) d]
+        qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
+        qk, v = qk.view(-1, heads + kv_heads, d), v.view(-1, kv_heads, d)
         if layer.q_norm is not None:
-            q, k = _rms_norm(q, layer.q_norm, spec.rms_norm_eps), _rms_norm(k, layer.k_norm, spec.rms_norm_eps)
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+            q, k = qk.split([heads, kv_heads], dim=1)
+            qk = torch.cat(
+                [_rms_norm(q, layer.q_norm, spec.rms_norm_eps), _rms_norm(k, layer.k_norm, spec.rms_norm_eps)], 1
+            )
+        q, k = _apply_rope(qk, cos, sin).split([heads, kv_heads], dim=1)  # q and k rotated in one go
         k_cache, v_cache = self.k_cache[index], self.v_cache[index]  # [slots, kv_heads, max_len, d]
         if layout.single is not None:
             slot, start = layout.single
             k_cache[slot, :, start : start + k.shape[0]] = k.transpose(0, 1)  # writes the new keys
             v_cache[slot, :, start : start + k.shape[0]] = v.transpose(0, 1)
+        else:
+            k_cache[layout.token_slots, :, layout.token_positions] = k  # writes the new keys: [T, kv_heads, d]
+            v_cache[layout.token_slots, :, layout.token_positions] = v
+        if layout.exact is not None:
+            return layer.o(self._attention_by_query(q, k_cache, v_cache, layout.exact))
+        return layer.o(self._attention_masked(q, k_cache, v_cache, layout))
+
+    def _attention_masked(self, q: torch.Tensor, k_cache, v_cache, layout: _BatchLayout) -> torch.Tensor:
+        """All queries of the batch in one masked call over the rows' padded keys."""
+        heads, d = q.shape[1], q.shape[2]
+        if layout.single is not None:
+            slot, _ = layout.single
             keys = k_cache[slot, None, :, : layout.kv_len]  # [1, kv_heads, kv_len, d], a view
             values = v_cache[slot, None, :, : layout.kv_len]
             queries = q[None].transpose(1, 2)  # [1, heads, n, d]
         else:
-            k_cache[layout.token_slots, :, layout.token_positions] = k  # writes the new keys: [T, kv_heads, d]
-            v_cache[layout.token_slots, :, layout.token_positions] = v
             batch = layout.slots.shape[0]
             keys = k_cache[layout.slots, :, : layout.kv_len]  # [batch, kv_heads, kv_len, d]
             values = v_cache[layout.slots, :, : layout.kv_len]
             padded = q.new_zeros(batch * layout.n_max, heads, d)
             padded[layout.pad_index] = q
             queries = padded.view(batch, layout.n_max, heads, d).transpose(1, 2)  # [batch, heads, n_max, d]
-        if layout.exact is not None:
-            return _linear(self._attention_by_query(q, k_cache, v_cache, layout.exact), layer.o, layer.o_bias)
         out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=layout.mask, scale=1 / math.sqrt(d), enable_gqa=heads != kv_heads
+            queries, keys, values, attn_mask=layout.mask, scale=1 / math.sqrt(d), enable_gqa=heads != keys.shape[1]
         )  # [batch, heads, n_max, d]
         out = out.transpose(1, 2).reshape(-1, heads * d)  # [batch * n_max, heads d]
-        if layout.single is None:
-            out = out[layout.pad_index]  # [T, heads d]
-        return _linear(out, layer.o, layer.o_bias)
+        return out if layout.single is not None else out[layout.pad_index]  # [T, heads d]
 
     def _attention_by_query(self, q: torch.Tensor, k_cache, v_cache, tokens: list[tuple[int, int]]) -> torch.Tensor:
         """Each query against exactly its own keys, unmasked, one call each: the very call a
@@ -376,32 +419,27 @@ class LlamaRunner:
         flip a near-tie argmax: greedy speculative output would drift from target-only."""
         heads, d = q.shape[1], q.shape[2]
         window = self.spec.sliding_window
+        scale = 1 / math.sqrt(d)
+        queries = q[:, None, :, None, :]  # [T, 1, heads, 1, d]
         outs = []
+        # 4-d operands: SDPA takes a slower path for 3-d ones (2x for one query here).
         for t, (slot, position) in enumerate(tokens):
             low = max(0, position + 1 - window) if window else 0
             keys = k_cache[slot, None, :, low : position + 1]  # [1, kv_heads, keys, d], a view
             values = v_cache[slot, None, :, low : position + 1]
             outs.append(F.scaled_dot_product_attention(
-                q[t, None, :, None, :], keys, values, scale=1 / math.sqrt(d), enable_gqa=heads != keys.shape[1]
+                queries[t], keys, values, scale=scale, enable_gqa=heads != keys.shape[1]
             ))  # fmt: skip
         return torch.cat(outs, dim=0).reshape(len(tokens), heads * d)  # [T, heads d]
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
-        gate, up = _linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-        return _linear(F.silu(gate) * up, layer.down, layer.down_bias)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) in the weight's dtype, returned in x's."""
-    if weight.dtype == x.dtype:
-        return F.linear(x, weight, bias)
-    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    """Computed in float32 whatever x's dtype, as transformers' Llama does."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

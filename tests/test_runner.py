@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralC
 
 from specserve.backends import RunnerBackend, TransformersBackend
 from specserve.models import load_model
-from specserve.runner import LlamaRunner
+from specserve.runner import LlamaRunner, _Linear
 from specserve.testing import byte_tokenizer
 
 CPU = torch.device("cpu")
@@ -154,3 +154,14 @@ def test_16_bit_results_do_not_depend_on_k_or_on_the_batch(tmp_path):
     batched = runner.forward([three, one], [len(prompt), len(prompt) + len(drafts)], [drafts, [3]], [len(drafts), 1])
     assert torch.equal(batched[0], verified)
     assert torch.equal(batched[1], runner.forward([two], [len(prompt) + len(drafts)], [[3]], [1])[0])
+
+
+def test_prepacked_matrices_multiply_as_f_linear_does():
+    """The oneDNN-prepacked 16-bit product changes speed only: bitwise F.linear's, any row count."""
+    torch.manual_seed(5)
+    weight, bias = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    for rows in (1, 5, 33):
+        x = torch.randn(rows, 64)
+        for b in (None, bias):
+            expected = torch.nn.functional.linear(x.bfloat16(), weight, b).float()
+            assert torch.equal(_Linear(weight, b)(x), expected)
