@@ -14,7 +14,7 @@ from specserve.metrics import ServiceMetrics
 from specserve.models import LoadedModel
 from specserve.protocol import model_info
 from specserve.sampling import SamplingParams
-from specserve.telemetry import extract, record_span, tracer
+from specserve.telemetry import record_span, span
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -62,16 +62,16 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         )
         attributes = {"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": "Draft",
                       "specserve.k": request.num_speculative_tokens, "specserve.method": session.method}  # fmt: skip
-        with tracer().start_as_current_span(
+        with span(
             "specserve.v1.DraftService/Draft propose",
-            context=extract(request.trace_context),
+            carrier=request.trace_context,
             kind=SpanKind.SERVER,
             attributes=attributes,
-        ) as span:
+        ) as server_span:
             submitted = time.time_ns()
             self._metrics.queue_depth.set(self._batcher.pending)
             proposal: Proposal = self._batcher.submit(job)
-            span.set_attribute("specserve.batch_size", proposal.batch_size)
+            server_span.set_attribute("specserve.batch_size", proposal.batch_size)
             record_span("drafter.queue", submitted, max(submitted, proposal.batch_started_ns))
             record_span("draft.forward", proposal.batch_started_ns, proposal.batch_ended_ns,
                         {"specserve.batch_size": proposal.batch_size})  # fmt: skip

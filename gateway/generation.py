@@ -21,7 +21,7 @@ from opentelemetry.trace import SpanKind
 from gateway.backends import Backends, DraftStream
 from specserve.metrics import GatewayMetrics
 from specserve.sampling import SamplingParams
-from specserve.telemetry import inject, metadata_with_trace_context, rpc_span, set_rpc_status, tracer, tracing_enabled
+from specserve.telemetry import inject, metadata_with_trace_context, rpc_span, set_rpc_status, span, tracing_enabled
 from specserve.v1 import draft_pb2, verify_pb2
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ async def generate(
     Spans (prefill, one per round) are children of parent; each round feeds metrics."""
     session = _Session(backends, plan, uuid.uuid4().hex)
     try:
-        with tracer().start_as_current_span("prefill", context=parent):
+        with span("prefill", context=parent):
             first = await _prefill(backends, session.id, session.sequence, session.sampling)
         session.sequence.append(first)
         yield [first]
@@ -171,9 +171,10 @@ async def generate(
         while generated < plan.max_tokens:
             drafting = session.drafter is not None and session.drafter.available
             k = min(session.schedule.k, plan.max_tokens - generated - 1) if drafting else 0
-            with tracer().start_as_current_span("round", context=parent) as span:
+            with span("round", context=parent) as round_span:
                 round_ = await session.round(k, remaining=plan.max_tokens - generated)
-                span.set_attributes(_round_attributes(round_))
+                if round_span.is_recording():
+                    round_span.set_attributes(_round_attributes(round_))
             _account(round_, stats, metrics)
             session.schedule.update(round_.k, round_.num_accepted)
             session.sequence.extend(round_.new_tokens)
@@ -332,11 +333,10 @@ async def _draft(drafter: DraftStream, sequence: list[int], k: int, sampling, wa
     started = time.perf_counter()
     attributes = {"rpc.system": "grpc", "rpc.service": "specserve.v1.DraftService", "rpc.method": "Draft",
                   "specserve.pipelined": bool(guessed)}  # fmt: skip
-    with tracer().start_as_current_span(
-        "specserve.v1.DraftService/Draft propose", kind=SpanKind.CLIENT, attributes=attributes
-    ):
+    with span("specserve.v1.DraftService/Draft propose", kind=SpanKind.CLIENT, attributes=attributes):
+        trace_context = inject({}) if tracing_enabled() else {}
         try:
-            response = await drafter.propose(sequence, k, sampling, inject({}), want_bonus_guess, guessed)
+            response = await drafter.propose(sequence, k, sampling, trace_context, want_bonus_guess, guessed)
         except (grpc.RpcError, RuntimeError, TimeoutError) as error:
             _draft_failures.warning("draft failed (%s); this round runs target-only", _describe(error))
             drafter.reset()

@@ -1,10 +1,13 @@
 """What tracing costs: two stacks side by side, one exporting every span over OTLP (to a
 receiver in this process) and one with tracing off, requests alternating between them.
 
-    python scripts/tracing_overhead.py [--target DIR --draft DIR] [--rounds 6] [--sample-ratio 1.0] [--control]
+    python scripts/tracing_overhead.py [--target DIR --draft DIR] [--rounds 6] [--sample-ratio 1.0]
+                                       [--control | --uninstrumented]
 
 Prints tokens/s of each and their ratio, and the CPU time the services spent per token,
-and writes bench-results/tracing_overhead.json.
+and writes bench-results/tracing_overhead*.json. --control traces neither stack (the
+comparison's noise floor); --uninstrumented compares tracing off with a stack whose
+tracing calls are all replaced by bare no-ops (what tracing off costs).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +27,34 @@ import httpx
 from specserve.paths import DEMO_DRAFT, DEMO_TARGET
 from specserve.trace_report import SpanCollector
 from specserve.workloads import code_completion_prompts
+
+# Loaded by every process of the uninstrumented stack before the services import
+# specserve.telemetry: each tracing entry point becomes a bare no-op.
+NO_TRACING = """
+import contextlib
+from opentelemetry.trace import INVALID_SPAN
+import specserve.telemetry as telemetry
+
+
+class _Tracer:
+    def start_as_current_span(self, *args, **kwargs):
+        return contextlib.nullcontext(INVALID_SPAN)
+
+    def start_span(self, *args, **kwargs):
+        return INVALID_SPAN
+
+
+_tracer = _Tracer()
+telemetry.tracer = lambda: _tracer
+telemetry.tracing_enabled = lambda: False
+telemetry.span = lambda *args, **kwargs: contextlib.nullcontext(INVALID_SPAN)
+telemetry.rpc_span = lambda *args, **kwargs: contextlib.nullcontext(INVALID_SPAN)
+telemetry.set_rpc_status = lambda span, code: None
+telemetry.metadata_with_trace_context = lambda: ()
+telemetry.inject = lambda carrier: carrier
+telemetry.extract = lambda carrier: None
+telemetry.record_span = lambda *args, **kwargs: None
+"""
 
 
 def free() -> int:
@@ -69,52 +101,67 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6, help="passes over the prompts")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sample-ratio", type=float, default=1.0, help="the traced stack's trace sample ratio")
-    parser.add_argument("--control", action="store_true", help="trace neither stack: the comparison's noise floor")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--control", action="store_true", help="trace neither stack: the comparison's noise floor")
+    mode.add_argument("--uninstrumented", action="store_true", help="tracing off against tracing calls made no-ops")
     args = parser.parse_args()
     collector = SpanCollector(f"127.0.0.1:{free()}").start()
     tracing = {
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}",
         "SPECSERVE_GATEWAY_TRACE_SAMPLE_RATIO": str(args.sample_ratio),
     }
-    traced = start(args.target, args.draft, {} if args.control else tracing)
-    plain = start(args.target, args.draft, {})
+    with tempfile.TemporaryDirectory() as stub_dir:
+        Path(stub_dir, "sitecustomize.py").write_text(NO_TRACING)
+        no_tracing = {"PYTHONPATH": os.pathsep.join(filter(None, [stub_dir, os.environ.get("PYTHONPATH")]))}
+        if args.uninstrumented:
+            stacks = {"off": {}, "uninstrumented": no_tracing}
+        else:
+            stacks = {"traced": {} if args.control else tracing, "off": {}}
+        first, second = stacks
+        result = compare(args, {name: start(args.target, args.draft, env) for name, env in stacks.items()}, collector)
+    ratio = result["tokens_per_s"][first] / result["tokens_per_s"][second]
+    result.update(sample_ratio=args.sample_ratio, control=args.control, uninstrumented=args.uninstrumented,
+                  ratio=f"{first}/{second}", **{f"{first}_over_{second}": ratio})  # fmt: skip
+    rates, cpu = result["tokens_per_s"], result["cpu_ms_per_token"]
+    print(f"{first}: {rates[first]:.1f} tok/s, {second}: {rates[second]:.1f} tok/s, {first}/{second} = {ratio:.3f}; "
+          f"CPU ms per token {first} {cpu[first]:.2f}, {second} {cpu[second]:.2f}; "
+          f"{result['spans_received']} spans received")  # fmt: skip
+    Path("bench-results").mkdir(exist_ok=True)
+    suffix = "_control" if args.control else "_uninstrumented" if args.uninstrumented else ""
+    Path("bench-results", f"tracing_overhead{suffix}.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def compare(args, stacks: dict[str, tuple[subprocess.Popen, str]], collector: SpanCollector) -> dict:
+    """Requests alternate between the stacks, each first in turn; tokens/s and the services'
+    CPU ms per token of each."""
     prompts = code_completion_prompts(8)
-    totals = {"traced": [0, 0.0], "off": [0, 0.0]}
-    cpu_at_start = {name: cpu_seconds(process.pid) for name, (process, _) in (("traced", traced), ("off", plain))}
+    totals = {name: [0, 0.0] for name in stacks}
+    cpu_at_start = {name: cpu_seconds(process.pid) for name, (process, _) in stacks.items()}
     try:
         with httpx.Client(timeout=300) as client:
-            for _ in range(args.rounds):
-                for prompt in prompts:
-                    for name, url in (("traced", traced[1]), ("off", plain[1])):
-                        body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
-                        started = time.perf_counter()
-                        usage = client.post(f"{url}/v1/completions", json=body).json()["usage"]
-                        totals[name][0] += usage["completion_tokens"]
-                        totals[name][1] += time.perf_counter() - started
-        cpu = {name: cpu_seconds(process.pid) - cpu_at_start[name]
-               for name, (process, _) in (("traced", traced), ("off", plain))}  # fmt: skip
+            for turn in range(args.rounds * len(prompts)):
+                prompt = prompts[turn % len(prompts)]
+                order = list(stacks.items())
+                flip = (turn + turn // len(prompts)) % 2  # each stack first on every prompt in turn
+                for name, (_, url) in order[::-1] if flip else order:
+                    body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
+                    started = time.perf_counter()
+                    usage = client.post(f"{url}/v1/completions", json=body).json()["usage"]
+                    totals[name][0] += usage["completion_tokens"]
+                    totals[name][1] += time.perf_counter() - started
+        cpu = {name: cpu_seconds(process.pid) - cpu_at_start[name] for name, (process, _) in stacks.items()}
     finally:
-        for process, _ in (traced, plain):
+        for process, _ in stacks.values():
             process.terminate()
             process.wait(timeout=60)
         collector.stop()
-    rates = {name: tokens / seconds for name, (tokens, seconds) in totals.items()}
-    result = {
-        "sample_ratio": args.sample_ratio,
-        "control": args.control,
-        "tokens_per_s": rates,
-        "traced_over_off": rates["traced"] / rates["off"],
+    return {
+        "tokens_per_s": {name: tokens / seconds for name, (tokens, seconds) in totals.items()},
         # CPU time per token of the three services: less noisy than wall time on a shared machine
         "cpu_ms_per_token": {name: 1e3 * cpu[name] / totals[name][0] for name in totals},
         "spans_received": len(collector.snapshot()),
     }
-    print(f"tracing on: {rates['traced']:.1f} tok/s, off: {rates['off']:.1f} tok/s, "
-          f"on/off = {result['traced_over_off']:.3f}; CPU ms per token on {result['cpu_ms_per_token']['traced']:.2f}, "
-          f"off {result['cpu_ms_per_token']['off']:.2f}; {result['spans_received']} spans received")  # fmt: skip
-    Path("bench-results").mkdir(exist_ok=True)
-    name = "tracing_overhead_control.json" if args.control else "tracing_overhead.json"
-    Path("bench-results", name).write_text(json.dumps(result, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator, Mapping, MutableMapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import cache
 
 from opentelemetry import context, propagate, trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,18 @@ def tracing_enabled() -> bool:
     return isinstance(trace.get_tracer_provider(), _sdk_provider_type())
 
 
+def span(name: str, carrier: Mapping[str, str] | None = None, **options) -> AbstractContextManager[Span]:
+    """tracer().start_as_current_span(name, **options), the parent taken from carrier's trace
+    context when one is given; with tracing off no span at all: even the API's no-op spans,
+    their contexts and attribute dicts cost ~2% of tokens/s across a round's dozen of them
+    on this project's 2-core machine."""
+    if not tracing_enabled():
+        return nullcontext(INVALID_SPAN)
+    if carrier is not None:
+        options["context"] = extract(carrier)
+    return tracer().start_as_current_span(name, **options)
+
+
 # RPC spans are made here rather than by the generic grpc instrumentation's interceptors:
 # those cost 150-200 us a call on each side here (measured on a loopback unary call of about
 # 600 us), sampled or not, and a round makes two calls.
@@ -101,11 +113,17 @@ def extract(carrier: Mapping[str, str]) -> context.Context:
 
 
 def record_span(name: str, start_ns: int, end_ns: int, attributes: Mapping | None = None, parent=None) -> None:
-    """A finished span from measured timestamps (work done on another thread, for a batch)."""
-    span = tracer().start_span(name, context=parent, start_time=start_ns, attributes=dict(attributes or {}))
-    span.end(end_time=end_ns)
+    """A finished span from measured timestamps (work done on another thread, for a batch),
+    a child of parent or of the current span; nothing when that one is not recorded (tracing
+    off, or a trace not sampled: the child would not be recorded either)."""
+    parent_span = trace.get_current_span(parent)
+    if not parent_span.is_recording():
+        return
+    child = tracer().start_span(name, context=parent, start_time=start_ns, attributes=dict(attributes or {}))
+    child.end(end_time=end_ns)
 
 
+@cache
 def _sdk_provider_type():
     try:
         from opentelemetry.sdk.trace import TracerProvider
