@@ -68,11 +68,11 @@ class GenerationPlan:
 
 class KSchedule:
     """Per-session K: grows by one after a round that kept every draft; after a rejection
-    it moves halfway down to what was kept plus one, rounded up (the first word of a new idea wants few
-    drafts, but one early miss in a predictable span should not reset K to 1). Falling all
-    the way at once was measured slower than the best fixed K on the mixed workload (each
-    round pays a fixed verify and wire cost that short drafts do not amortise); halfway was
-    at least as fast as the best fixed K in each of three bench runs."""
+    it moves halfway down to what was kept plus one, rounded up (the first word of a new
+    idea wants few drafts, but one early miss in a predictable span should not reset K to
+    1). Falling all the way at once was measured slower than the best fixed K on the mixed
+    workload (each round pays a fixed verify and wire cost that short drafts do not
+    amortise); halfway was at least as fast as the best fixed K in each of four bench runs."""
 
     def __init__(self, plan: GenerationPlan):
         self.k = plan.num_speculative_tokens
@@ -334,9 +334,8 @@ async def _draft(drafter: DraftStream, sequence: list[int], k: int, sampling, wa
     attributes = {"rpc.system": "grpc", "rpc.service": "specserve.v1.DraftService", "rpc.method": "Draft",
                   "specserve.pipelined": bool(guessed)}  # fmt: skip
     with span("specserve.v1.DraftService/Draft propose", kind=SpanKind.CLIENT, attributes=attributes):
-        trace_context = inject({}) if tracing_enabled() else {}
         try:
-            response = await drafter.propose(sequence, k, sampling, trace_context, want_bonus_guess, guessed)
+            response = await drafter.propose(sequence, k, sampling, inject({}), want_bonus_guess, guessed)
         except (grpc.RpcError, RuntimeError, TimeoutError) as error:
             _draft_failures.warning("draft failed (%s); this round runs target-only", _describe(error))
             drafter.reset()

@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 
 from opentelemetry import trace
-from opentelemetry.trace import INVALID_SPAN, SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from gateway.generation import GenerationPlan
 from specserve.metrics import GatewayMetrics
-from specserve.telemetry import tracer, tracing_enabled
+from specserve.telemetry import start_span
 
 
 class RequestObserver:
@@ -19,7 +19,19 @@ class RequestObserver:
         self.started = time.perf_counter()
         self.last_token_at: float | None = None
         operation = "chat" if chat else "text_completion"
-        self.span = _request_span(operation, model, plan) if tracing_enabled() else INVALID_SPAN
+        self.span = start_span(
+            f"{operation} {model}",
+            kind=SpanKind.INTERNAL,  # under the HTTP server span FastAPI makes
+            attributes={
+                "gen_ai.operation.name": operation,
+                "gen_ai.request.model": model,
+                "gen_ai.request.max_tokens": plan.max_tokens,
+                "gen_ai.request.temperature": plan.sampling.temperature,
+                "gen_ai.usage.input_tokens": len(plan.prompt_token_ids),
+                "specserve.speculation.method": plan.method,
+                "specserve.speculation.num_speculative_tokens": plan.num_speculative_tokens,
+            },
+        )
         self.context = trace.set_span_in_context(self.span)
         self.finished = False
         metrics.requests_running.inc()
@@ -48,19 +60,3 @@ class RequestObserver:
             self.span.record_exception(error)
             self.span.set_status(Status(StatusCode.ERROR, str(error)))
         self.span.end()
-
-
-def _request_span(operation: str, model: str, plan: GenerationPlan) -> trace.Span:
-    return tracer().start_span(
-        f"{operation} {model}",
-        kind=SpanKind.INTERNAL,  # under the HTTP server span FastAPI makes
-        attributes={
-            "gen_ai.operation.name": operation,
-            "gen_ai.request.model": model,
-            "gen_ai.request.max_tokens": plan.max_tokens,
-            "gen_ai.request.temperature": plan.sampling.temperature,
-            "gen_ai.usage.input_tokens": len(plan.prompt_token_ids),
-            "specserve.speculation.method": plan.method,
-            "specserve.speculation.num_speculative_tokens": plan.num_speculative_tokens,
-        },
-    )

@@ -48,6 +48,7 @@ _tracer = _Tracer()
 telemetry.tracer = lambda: _tracer
 telemetry.tracing_enabled = lambda: False
 telemetry.span = lambda *args, **kwargs: contextlib.nullcontext(INVALID_SPAN)
+telemetry.start_span = lambda *args, **kwargs: INVALID_SPAN
 telemetry.rpc_span = lambda *args, **kwargs: contextlib.nullcontext(INVALID_SPAN)
 telemetry.set_rpc_status = lambda span, code: None
 telemetry.metadata_with_trace_context = lambda: ()
