@@ -1,8 +1,10 @@
-"""One request's rounds: prefill, then draft -> verify until the consumer stops asking.
+"""One request's rounds: prefill, then draft -> verify until the consumer stops asking;
+target-only (method "none"), prefill then one Decode stream of tokens.
 
 The gateway owns the canonical sequence (DESIGN.md, invariant 3): services hold caches that
 can be rebuilt. A draft stream that fails costs one target-only round and is reopened with
-the whole sequence; a verifier that lost the session is prefilled again from the sequence.
+the whole sequence; a verifier that lost the session (or restarted mid-decode) is
+prefilled again from the sequence.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
@@ -21,7 +24,15 @@ from opentelemetry.trace import SpanKind
 from gateway.backends import Backends, DraftStream
 from specserve.metrics import GatewayMetrics
 from specserve.sampling import SamplingParams
-from specserve.telemetry import inject, metadata_with_trace_context, rpc_span, set_rpc_status, span, tracing_enabled
+from specserve.telemetry import (
+    inject,
+    metadata_with_trace_context,
+    rpc_span,
+    set_rpc_status,
+    span,
+    start_span,
+    tracing_enabled,
+)
 from specserve.v1 import draft_pb2, verify_pb2
 
 log = logging.getLogger(__name__)
@@ -168,6 +179,12 @@ async def generate(
         session.sequence.append(first)
         yield [first]
         generated = 1
+        if session.drafter is None:  # target-only: the verifier decodes without waiting for us
+            async with aclosing(session.decode(plan.max_tokens - generated, parent)) as rounds:
+                async for round_ in rounds:
+                    _account(round_, stats, metrics)
+                    yield round_.new_tokens
+            return
         while generated < plan.max_tokens:
             drafting = session.drafter is not None and session.drafter.available
             k = min(session.schedule.k, plan.max_tokens - generated - 1) if drafting else 0
@@ -201,6 +218,32 @@ class _Session:
         )
         self.schedule = KSchedule(plan)
         self.prefetched: draft_pb2.DraftResponse | None = None
+
+    async def decode(self, remaining: int, parent: Context | None) -> AsyncIterator[Round]:
+        """Target-only rounds, one token each, from Decode streams: one for the whole request
+        unless the verifier loses the session, which is prefilled again (one token) and
+        decoding goes on. Each token joins the sequence before it is yielded."""
+        while remaining > 0:
+            request = verify_pb2.DecodeRequest(
+                session_id=self.id, num_verified=len(self.sequence), max_tokens=remaining, sampling=self.sampling
+            )
+            try:
+                async with aclosing(_decode(self.backends, request, parent)) as rounds:
+                    async for round_ in rounds:
+                        self.sequence.extend(round_.new_tokens)
+                        remaining -= 1
+                        yield round_
+                return  # the stream ended: all made, an end-of-sequence token, or the context is full
+            except (grpc.aio.AioRpcError, TimeoutError) as error:
+                code = error.code() if isinstance(error, grpc.aio.AioRpcError) else grpc.StatusCode.DEADLINE_EXCEEDED
+                if code not in (grpc.StatusCode.FAILED_PRECONDITION, *_RETRIED):
+                    raise
+                log.warning("decode stream broken (%s); prefilling again", _describe(error))
+            started = time.perf_counter()
+            token = await _prefill(self.backends, self.id, self.sequence, self.sampling)
+            self.sequence.append(token)
+            remaining -= 1
+            yield Round([token], 0, 0, 1, 0.0, 0.0, time.perf_counter() - started, 0.0)
 
     async def round(self, k: int, remaining: int) -> Round:
         drafts, distributions, guess, draft_s, draft_server_s, draft_bytes = await self._drafts(k)
@@ -307,6 +350,9 @@ async def _prefill(backends: Backends, session_id: str, sequence: list[int], sam
     return response.next_token_id
 
 
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # the verifier may be restarting
+
+
 async def _call_verifier(backends: Backends, method: str, request):
     """A verifier call, retried while the verifier is unreachable (restarting), up to
     verify_retry_s. Safe for both calls: Prefill replaces its session, and a Verify whose
@@ -317,7 +363,7 @@ async def _call_verifier(backends: Backends, method: str, request):
         try:
             return await _traced_call(backends, method, request, timeout=backends.rpc_timeout_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as error:
-            if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if error.code() not in _RETRIED:
                 raise
             if time.monotonic() + pause > deadline:
                 raise
@@ -365,6 +411,40 @@ async def _verify(
             raise
         log.warning("verifier session out of step (%s); prefilling again", error.details())
         return request, None
+
+
+async def _decode(backends: Backends, request: verify_pb2.DecodeRequest, parent: Context | None):
+    """The Decode stream's tokens as rounds, under one client span when tracing is on (not
+    made current: the consumer runs between tokens). Each token must arrive within
+    rpc_timeout_s of the one before (TimeoutError otherwise); the call is cancelled when the
+    consumer stops early."""
+    call_span = start_span(f"{VERIFY_SERVICE}/Decode", kind=SpanKind.CLIENT, context=parent,
+                           attributes=_DECODE_ATTRIBUTES)  # fmt: skip
+    call = backends.verify.Decode(request, metadata=metadata_with_trace_context(call_span), wait_for_ready=True)
+    status = grpc.StatusCode.OK
+    try:
+        last = time.perf_counter()
+        while (response := await asyncio.wait_for(call.read(), backends.rpc_timeout_s)) is not grpc.aio.EOF:
+            now = time.perf_counter()
+            first = response.num_verified == request.num_verified + 1
+            wire_bytes = response.ByteSize() + (request.ByteSize() if first else 0)
+            yield Round([response.token_id], 0, 0, response.batch_size, 0.0, 0.0, now - last, response.server_seconds,
+                        response.forward_seconds, response.kernel_seconds, wire_bytes)  # fmt: skip
+            last = time.perf_counter()
+    except grpc.aio.AioRpcError as error:
+        status = error.code()
+        raise
+    except (TimeoutError, asyncio.CancelledError, GeneratorExit):
+        status = grpc.StatusCode.CANCELLED
+        raise
+    finally:
+        call.cancel()  # nothing when it has finished
+        if call_span.is_recording():
+            set_rpc_status(call_span, status)
+            call_span.end()
+
+
+_DECODE_ATTRIBUTES = {"rpc.system": "grpc", "rpc.service": VERIFY_SERVICE, "rpc.method": "Decode"}
 
 
 async def _traced_call(backends: Backends, method: str, request, **options):

@@ -4,7 +4,8 @@ Each service runs its model from one worker, which keeps per-session caches sing
 and lets concurrent calls from different sessions share a forward pass or a kernel call.
 The services run the worker on the main thread (run()): torch's OpenMP thread team, driven
 from another thread and idle between calls, made a decode step more than twice as slow. Items already queued when a batch starts join it; max_wait_s bounds how long a
-lone item waits for company.
+lone item waits for company. An item whose process() result is Again goes on in the next
+batch, ahead of new items, under the same future: a decode makes one token per batch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
@@ -22,8 +24,16 @@ log = logging.getLogger(__name__)
 ItemT = TypeVar("ItemT")
 ResultT = TypeVar("ResultT")
 
-# process() returns, per item, either its result or the exception to raise in its caller.
-ProcessFn = Callable[[Sequence[ItemT]], Sequence["ResultT | BaseException"]]
+
+@dataclass(frozen=True)
+class Again(Generic[ItemT]):
+    """A result that is not final: item (the work left) runs in the next batch."""
+
+    item: ItemT
+
+
+# process() returns, per item, its result, the exception to raise in its caller, or Again.
+ProcessFn = Callable[[Sequence[ItemT]], Sequence["ResultT | BaseException | Again[ItemT]"]]
 
 
 class Batcher(Generic[ItemT, ResultT]):
@@ -33,6 +43,7 @@ class Batcher(Generic[ItemT, ResultT]):
         self._max_batch = max_batch
         self._max_wait_s = max_wait_s
         self._queue: queue.Queue[tuple[ItemT, Future] | None] = queue.Queue()
+        self._carried: list[tuple[ItemT, Future]] = []  # Again items: the worker's own
         self._thread = threading.Thread(target=self.run, name=name, daemon=True) if own_thread else None
         if self._thread is not None:
             self._thread.start()
@@ -44,9 +55,13 @@ class Batcher(Generic[ItemT, ResultT]):
 
     def submit(self, item: ItemT) -> ResultT:
         """Blocks until the item has been processed; raises the item's own exception."""
+        return self.submit_async(item).result()
+
+    def submit_async(self, item: ItemT) -> Future:
+        """Queues the item; the future holds its result (or exception) once processed."""
         future: Future = Future()
         self._queue.put((item, future))
-        return future.result()
+        return future
 
     def close(self) -> None:
         """Stops the worker once the items already queued are done."""
@@ -63,11 +78,15 @@ class Batcher(Generic[ItemT, ResultT]):
             self._run_batch(batch)
 
     def _gather(self) -> list[tuple[ItemT, Future]] | None:
-        first = self._queue.get()
-        if first is None:
-            return None
-        batch = [first]
-        deadline = time.monotonic() + self._max_wait_s
+        if self._carried:  # work under way waits for no one; what is queued joins it
+            batch, self._carried = self._carried, []
+            deadline = time.monotonic()
+        else:
+            first = self._queue.get()
+            if first is None:
+                return None
+            batch = [first]
+            deadline = time.monotonic() + self._max_wait_s
         while len(batch) < self._max_batch:
             try:
                 timeout = max(0.0, deadline - time.monotonic())
@@ -87,7 +106,9 @@ class Batcher(Generic[ItemT, ResultT]):
             log.exception("batch of %d failed", len(batch))
             results = [error] * len(batch)
         for (_, future), result in zip(batch, results):
-            if isinstance(result, BaseException):
+            if isinstance(result, Again):
+                self._carried.append((result.item, future))
+            elif isinstance(result, BaseException):
                 future.set_exception(result)
             else:
                 future.set_result(result)

@@ -7,6 +7,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from contextlib import nullcontext
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -50,9 +51,10 @@ def _code_of(error: BaseException) -> grpc.StatusCode:
 
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Maps request errors to their status codes in one place; a bug answers INTERNAL and
-    the service keeps serving the other requests. With tracing on, each unary call of the
-    service's own API also gets a server span, a child of the caller's trace context (the
-    draft stream traces each of its messages itself; health and reflection are not traced)."""
+    the service keeps serving the other requests. With tracing on, each call of the
+    service's own API with one request (unary, or answered by a stream) also gets a server
+    span, a child of the caller's trace context (the draft stream traces each of its
+    messages itself; health and reflection are not traced)."""
 
     def __init__(self, traced: bool | None = None):
         self._traced = tracing_enabled() if traced is None else traced
@@ -62,10 +64,16 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
+        traced = self._traced and method.startswith("/specserve.")
         if handler.unary_unary is not None:
-            traced = self._traced and method.startswith("/specserve.")
             return grpc.unary_unary_rpc_method_handler(
                 (_traced_unary if traced else _guard_unary)(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _guard_stream(handler.unary_stream, method, traced),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
@@ -103,16 +111,26 @@ def _traced_unary(behavior: Callable, method: str) -> Callable:
     return traced
 
 
-def _guard_stream(behavior: Callable, method: str) -> Callable:
-    def guarded(request_iterator, context) -> Iterator:
-        try:
-            yield from behavior(request_iterator, context)
-        except grpc.RpcError:
-            if context.is_active():
-                raise
-            # The client went away mid-stream: nothing to answer, nothing to log.
-        except Exception as error:  # noqa: BLE001
-            _abort(context, error, method)
+def _guard_stream(behavior: Callable, method: str, traced: bool = False) -> Callable:
+    """For calls that answer with a stream (one request or a stream of them in); traced,
+    the whole call is one server span."""
+
+    def guarded(request, context) -> Iterator:
+        parent = extract(dict(context.invocation_metadata())) if traced else None
+        with rpc_span(SpanKind.SERVER, method, parent) if traced else nullcontext() as span:
+            try:
+                yield from behavior(request, context)
+            except grpc.RpcError:
+                if context.is_active():
+                    raise
+                # The client went away mid-stream: nothing to answer, nothing to log.
+            except Exception as error:  # noqa: BLE001
+                if span is not None:
+                    set_rpc_status(span, _code_of(error))
+                _abort(context, error, method)
+            else:
+                if span is not None:
+                    set_rpc_status(span, grpc.StatusCode.OK)
 
     return guarded
 

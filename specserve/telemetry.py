@@ -102,16 +102,16 @@ def set_rpc_status(span: Span, code) -> None:
         span.set_status(Status(StatusCode.ERROR, code.name))
 
 
-def metadata_with_trace_context() -> tuple[tuple[str, str], ...]:
-    """gRPC call metadata carrying the current trace context."""
-    return tuple(inject({}).items())
+def metadata_with_trace_context(span: Span | None = None) -> tuple[tuple[str, str], ...]:
+    """gRPC call metadata carrying the trace context of span (default: the current one)."""
+    return tuple(inject({}, span).items())
 
 
-def inject(carrier: MutableMapping[str, str]) -> MutableMapping[str, str]:
-    """Writes the current trace context (traceparent, tracestate) into carrier; nothing with
-    tracing off."""
+def inject(carrier: MutableMapping[str, str], span: Span | None = None) -> MutableMapping[str, str]:
+    """Writes the trace context (traceparent, tracestate) of span, or the current one, into
+    carrier; nothing with tracing off."""
     if tracing_enabled():
-        propagate.inject(carrier)
+        propagate.inject(carrier, context=None if span is None else trace.set_span_in_context(span))
     return carrier
 
 

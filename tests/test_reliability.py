@@ -191,10 +191,22 @@ def test_a_draft_stream_whose_service_died_between_rounds_fails_as_a_draft_failu
     wait_for_drafts(stack.url, reference)
 
 
-def test_verifier_killed_mid_stream_the_stream_completes_identically(guarded):
-    stack, _ = guarded
-    reference = greedy(stack.url, 300)["choices"][0]["token_ids"]
+def forwards_run(port: int) -> float:
+    """Batched forwards the verifier process now on port has run since it started."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    line = next(line for line in text.splitlines() if line.startswith("specserve:verifier_forward_seconds_count "))
+    return float(line.split()[1])
+
+
+@pytest.mark.parametrize("method", ["draft_model", "none"])
+def test_verifier_killed_mid_stream_the_stream_completes_identically(guarded, method):
+    # Target-only, the verifier streams tokens (Decode) without waiting for the gateway: the
+    # broken stream must be picked up from the gateway's sequence, not from the dead session.
+    stack, verify_metrics = guarded
+    speculation = {"speculation": {"method": method}}
+    reference = greedy(stack.url, 400, **speculation)["choices"][0]["token_ids"]
     verify_port = stack.verify_address.rsplit(":", 1)[1]
-    body = {"prompt": [7, 8, 9], "max_tokens": 300, "temperature": 0}
+    body = {"prompt": [7, 8, 9], "max_tokens": 400, "temperature": 0, **speculation}
     kill = lambda: os.kill(pid_of("verify_service", verify_port), signal.SIGKILL)  # noqa: E731
     assert streamed_tokens(stack.url, body, 20, kill) == reference
+    assert forwards_run(verify_metrics) > 0  # the restarted verifier finished the stream

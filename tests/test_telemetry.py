@@ -87,6 +87,33 @@ def test_one_request_is_one_trace_across_all_three_processes(traced, tmp_path):
     )
 
 
+def test_a_target_only_request_traces_its_decode_stream_token_by_token(traced):
+    stack, collector, _, _ = traced
+    body = {"prompt": [5, 6, 8], "max_tokens": 12, "temperature": 0, "speculation": {"method": "none"}}
+    assert httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()["usage"]["completion_tokens"] == 12
+    deadline = time.monotonic() + 30
+    while True:
+        spans = collector.snapshot()
+        decodes = [
+            s for s in spans if s["name"].endswith("VerifyService/Decode") and s["service"] == "specserve-gateway"
+        ]
+        trace = [s for s in spans if decodes and s["trace_id"] == decodes[0]["trace_id"]]
+        if len([s for s in trace if s["name"] == "target.forward"]) >= 12 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    by_id = {s["span_id"]: s for s in trace}
+    [client] = decodes
+    [request] = [s for s in trace if s["attributes"].get("gen_ai.operation.name")]
+    assert client["parent_span_id"] == request["span_id"]
+    [server] = [s for s in trace if s["parent_span_id"] == client["span_id"]]
+    assert server["service"] == "specserve-verify" and server["attributes"]["rpc.grpc.status_code"] == 0
+    forwards = [s for s in trace if s["name"] == "target.forward"]
+    # One forward for the prefill (under its own call), one per decoded token under the stream.
+    assert len([f for f in forwards if f["parent_span_id"] == server["span_id"]]) == 11
+    assert all(f["parent_span_id"] in by_id for f in forwards)
+    assert duration_ms(client) >= sum(duration_ms(f) for f in forwards if f["parent_span_id"] == server["span_id"])
+
+
 def counter(text: str, name: str) -> float:
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -170,3 +171,78 @@ def test_model_info_of_both_services_agree(verify, draft):
     assert target_info.vocab_size == 257 and target_info.max_context_length == 512
     assert target_info.tokenizer_fingerprint == draft_info.tokenizer_fingerprint
     assert list(target_info.eos_token_ids) == [256]
+
+
+def decode(verify, session_id: str, num_verified: int, max_tokens: int, sampling=None) -> list:
+    request = verify_pb2.DecodeRequest(session_id=session_id, num_verified=num_verified, max_tokens=max_tokens,
+                                       sampling=sampling)  # fmt: skip
+    return list(verify.Decode(request))
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_decode_streams_the_tokens_of_verify_calls_without_drafts(verify, sampling):
+    start = prefill(verify, f"decode-{sampling.temperature}", sampling=sampling)
+    streamed = decode(verify, f"decode-{sampling.temperature}", 4, 12)
+    assert [r.num_verified for r in streamed] == list(range(5, 17))
+    assert all(r.batch_size >= 1 and r.forward_seconds > 0 for r in streamed)
+    prefill(verify, f"by-verify-{sampling.temperature}", sampling=sampling)
+    one_by_one = [verify.Verify(verify_pb2.VerifyRequest(session_id=f"by-verify-{sampling.temperature}",
+                                                         num_verified=n)).next_token_id for n in range(4, 16)]  # fmt: skip
+    assert [r.token_id for r in streamed] == one_by_one
+    assert start.next_token_id >= 0
+    # The session holds every streamed token: rounds go on from there.
+    after = verify.Verify(verify_pb2.VerifyRequest(session_id=f"decode-{sampling.temperature}", num_verified=16))
+    assert after.num_verified == 17
+
+
+def test_bad_decode_calls_get_a_status_and_change_nothing(verify):
+    prefill(verify, "bad-decode")
+    for request, code in [
+        (verify_pb2.DecodeRequest(session_id="bad-decode", num_verified=4, max_tokens=0), "INVALID_ARGUMENT"),
+        (verify_pb2.DecodeRequest(session_id="bad-decode", num_verified=7, max_tokens=3), "FAILED_PRECONDITION"),
+        (verify_pb2.DecodeRequest(session_id="no-such", num_verified=1, max_tokens=3), "FAILED_PRECONDITION"),
+        (
+            verify_pb2.DecodeRequest(
+                session_id="bad-decode", num_verified=4, max_tokens=3, sampling=common_pb2.SamplingParams(top_p=2)
+            ),
+            "INVALID_ARGUMENT",
+        ),  # fmt: skip
+    ]:
+        assert status_of(lambda r=request: list(verify.Decode(r))).code().name == code
+    assert [r.num_verified for r in decode(verify, "bad-decode", 4, 2)] == [5, 6]
+
+
+def test_a_cancelled_decode_stops_and_leaves_its_session_usable(verify):
+    prefill(verify, "cancelled")
+    stream = verify.Decode(verify_pb2.DecodeRequest(session_id="cancelled", num_verified=4, max_tokens=500))
+    read = [next(stream).num_verified for _ in range(3)]
+    stream.cancel()
+    assert read == [5, 6, 7]
+    deadline = time.monotonic() + 10
+    while True:  # a call beside a decode still running is refused as INVALID_ARGUMENT
+        error = status_of(lambda: verify.Verify(verify_pb2.VerifyRequest(session_id="cancelled", num_verified=0)))
+        if error.code() == grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    held = int(dict(error.trailing_metadata())["specserve-num-verified"])
+    assert 7 <= held < 100  # it stopped soon after the call ended (500 tokens take seconds), keeping what it made
+    assert verify.Verify(verify_pb2.VerifyRequest(session_id="cancelled", num_verified=held)).num_verified == held + 1
+
+
+def test_concurrent_decodes_share_batches_and_verify_calls_run_beside_them(verify):
+    sessions = [f"decode-batch-{i}" for i in range(6)]
+    for session in sessions:
+        prefill(verify, session, tokens=(1, 2, 3, 4))
+    prefill(verify, "verify-beside")
+
+    def verify_beside() -> list[int]:
+        return [verify.Verify(verify_pb2.VerifyRequest(session_id="verify-beside", num_verified=n)).num_verified
+                for n in range(4, 14)]  # fmt: skip
+
+    with ThreadPoolExecutor(len(sessions) + 1) as pool:
+        beside = pool.submit(verify_beside)
+        streams = list(pool.map(lambda session: decode(verify, session, 5, 30), sessions))
+        assert beside.result() == list(range(5, 15))
+    assert all([r.token_id for r in s] == [r.token_id for r in streams[0]] for s in streams)  # same input, same tokens
+    assert all(len(s) == 30 for s in streams)
+    assert max(r.batch_size for s in streams for r in s) > 1

@@ -8,7 +8,8 @@ from one forward over [last verified token, d_1..d_K]. *Accepted tokens* are the
 drafts the rejection rule keeps; after a rejection the *recovered token* is drawn from
 norm(max(0, p_j - q_j)), and when all K are kept the *bonus token* from p_{K+1}. A round
 therefore emits between 1 and K+1 tokens and the output follows p exactly. *num_verified*
-is the length of the verified sequence a call assumes.
+is the length of the verified sequence a call assumes. A decode (target-only) is a run of
+rounds without drafts that stays in the service: one token per batch until it is done.
 
 All methods run on the batcher's single worker thread, so sessions need no locks.
 """
@@ -18,12 +19,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from kernels import greedy_verify, rejection_sample
 from specserve.backends import ForwardRow, KVSequence, forward_in_budget
+from specserve.batching import Again
 from specserve.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, require
 from specserve.metrics import ServiceMetrics
 from specserve.models import LoadedModel
@@ -51,6 +54,22 @@ class VerifyJob:
 
 
 @dataclass(frozen=True)
+class DecodeJob:
+    """Up to max_tokens target-only tokens, one per batch. emit gets each token's Outcome on
+    the worker thread and answers whether the caller still wants more."""
+
+    session_id: str
+    num_verified: int
+    max_tokens: int
+    sampling: SamplingParams | None
+    emit: Callable[[Outcome], bool]
+    started: bool = False  # a token was made: a session gone since then ends the decode quietly
+
+    def as_verify(self) -> VerifyJob:
+        return VerifyJob(self.session_id, self.num_verified, (), (), self.sampling)
+
+
+@dataclass(frozen=True)
 class ReleaseJob:
     session_id: str
 
@@ -62,7 +81,7 @@ class SweepJob:
     now: float
 
 
-Job = PrefillJob | VerifyJob | ReleaseJob | SweepJob
+Job = PrefillJob | VerifyJob | DecodeJob | ReleaseJob | SweepJob
 
 
 @dataclass(frozen=True)
@@ -119,9 +138,10 @@ class Verifier:
         self.sessions: dict[str, Session] = {}
         self.metrics = metrics
 
-    def step(self, jobs: list[Job]) -> list[Outcome | None | BaseException]:
-        """Processes one batch: one forward for every session, one kernel call per sampling mode."""
-        results: list[Outcome | None | BaseException] = [None] * len(jobs)
+    def step(self, jobs: list[Job]) -> list[Outcome | Again | None | BaseException]:
+        """Processes one batch: one forward for every session, one kernel call per sampling
+        mode; a decode with tokens still to make comes back as Again, for the next batch."""
+        results: list[Outcome | Again | None | BaseException] = [None] * len(jobs)
         rows: list[tuple[int, _Row]] = []
         claimed: set[str] = set()
         for index, job in enumerate(jobs):
@@ -133,6 +153,8 @@ class Verifier:
                     self._sweep(job.now)
                     continue
                 require(job.session_id not in claimed, "another call for this session is in the same batch")
+                if isinstance(job, DecodeJob) and job.started and job.session_id not in self.sessions:
+                    continue  # released while decoding: its caller has gone
                 rows.append((index, self._prepare(job)))
                 claimed.add(job.session_id)
             except Exception as error:  # noqa: BLE001 - one bad call must not fail its batch
@@ -155,9 +177,25 @@ class Verifier:
                     self._release(row.session_id)
             raise
         for (index, row), (num_accepted, next_token) in zip(rows, decisions):
-            results[index] = dataclasses.replace(self._commit(row, num_accepted, next_token), **timing)
+            outcome = dataclasses.replace(self._commit(row, num_accepted, next_token), **timing)
+            job = jobs[index]
+            results[index] = self._decoded(job, outcome) if isinstance(job, DecodeJob) else outcome
         self._observe(len(rows), (forwarded - started) / 1e9)
         return results
+
+    def _decoded(self, job: DecodeJob, outcome: Outcome) -> Outcome | Again:
+        """Hands a decode's token to its caller; Again while it goes on."""
+        wanted = job.emit(outcome)
+        done = (
+            not wanted
+            or job.max_tokens <= 1
+            or outcome.next_token_id in self.loaded.eos_token_ids
+            or outcome.num_verified >= self.loaded.max_context_length
+        )
+        if done:
+            return outcome
+        return Again(dataclasses.replace(job, num_verified=outcome.num_verified, max_tokens=job.max_tokens - 1,
+                                         started=True))  # fmt: skip
 
     def _observe(self, rows: int, forward_seconds: float) -> None:
         if self.metrics is not None:
@@ -184,9 +222,12 @@ class Verifier:
             self.metrics.active_sessions.set(len(self.sessions))
             self.metrics.kv_slots_in_use.set(self.backend.in_use)
 
-    def _prepare(self, job: PrefillJob | VerifyJob) -> _Row:
+    def _prepare(self, job: PrefillJob | VerifyJob | DecodeJob) -> _Row:
         if isinstance(job, PrefillJob):
             return self._prepare_prefill(job)
+        if isinstance(job, DecodeJob):
+            require(job.max_tokens >= 1, "max_tokens must be at least 1")
+            return self._prepare_verify(job.as_verify())
         return self._prepare_verify(job)
 
     def _prepare_prefill(self, job: PrefillJob) -> _Row:

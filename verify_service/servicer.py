@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
+from collections.abc import Iterator
 
 from specserve.batching import Batcher
 from specserve.metrics import ServiceMetrics
@@ -12,7 +15,7 @@ from specserve.sampling import SamplingParams
 from specserve.telemetry import record_span
 from specserve.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from verify_service.config import VerifyConfig
-from verify_service.engine import Outcome, PrefillJob, ReleaseJob, VerifyJob
+from verify_service.engine import DecodeJob, Outcome, PrefillJob, ReleaseJob, VerifyJob
 
 SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 
@@ -30,12 +33,15 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         submitted = time.time_ns()
         self._metrics.queue_depth.set(self._batcher.pending)
         outcome: Outcome = self._batcher.submit(job)
-        self._metrics.queue_seconds.observe(max(0, outcome.batch_started_ns - submitted) / 1e9)
+        self._record(outcome, submitted)
+        return outcome
+
+    def _record(self, outcome: Outcome, waiting_since_ns: int) -> None:
+        self._metrics.queue_seconds.observe(max(0, outcome.batch_started_ns - waiting_since_ns) / 1e9)
         attributes = {"specserve.batch_size": outcome.batch_size}
-        record_span("verifier.queue", submitted, max(submitted, outcome.batch_started_ns))
+        record_span("verifier.queue", waiting_since_ns, max(waiting_since_ns, outcome.batch_started_ns))
         record_span("target.forward", outcome.batch_started_ns, outcome.forward_ended_ns, attributes)
         record_span("kernel.rejection_sample", outcome.forward_ended_ns, outcome.decided_ns, attributes)
-        return outcome
 
     def Prefill(self, request: verify_pb2.PrefillRequest, context) -> verify_pb2.PrefillResponse:
         started = time.perf_counter()
@@ -59,6 +65,40 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             forward_seconds=outcome.forward_seconds,
             kernel_seconds=outcome.kernel_seconds,
         )
+
+    def Decode(self, request: verify_pb2.DecodeRequest, context) -> Iterator[verify_pb2.DecodeResponse]:
+        """Streams the tokens the worker makes, one per batch: it goes on to the next token
+        without waiting for this thread or the caller; it stops once the call has ended."""
+        made: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
+        ended = threading.Event()
+        context.add_callback(ended.set)  # the call ended: finished, cancelled or timed out
+
+        def emit(outcome: Outcome) -> bool:
+            made.put(outcome)
+            return not ended.is_set()
+
+        sampling = SamplingParams.from_proto(request.sampling) if request.HasField("sampling") else None
+        job = DecodeJob(request.session_id, request.num_verified, request.max_tokens, sampling, emit)
+        self._metrics.queue_depth.set(self._batcher.pending)
+        since, last_sent = time.time_ns(), time.perf_counter()
+        future = self._batcher.submit_async(job)
+        future.add_done_callback(lambda _: made.put(None))
+        try:
+            while (outcome := made.get()) is not None:
+                self._record(outcome, since)
+                now = time.perf_counter()
+                yield verify_pb2.DecodeResponse(
+                    token_id=outcome.next_token_id,
+                    num_verified=outcome.num_verified,
+                    batch_size=outcome.batch_size,
+                    server_seconds=now - last_sent,
+                    forward_seconds=outcome.forward_seconds,
+                    kernel_seconds=outcome.kernel_seconds,
+                )
+                since, last_sent = outcome.decided_ns, time.perf_counter()
+            future.result()  # raises the decode's error, after the tokens made before it
+        finally:
+            ended.set()
 
     def Release(self, request: verify_pb2.ReleaseRequest, context) -> verify_pb2.ReleaseResponse:
         self._batcher.submit(ReleaseJob(request.session_id))

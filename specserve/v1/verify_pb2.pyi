@@ -59,6 +59,34 @@ class VerifyResponse(_message.Message):
     kernel_seconds: float
     def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., num_verified: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ...) -> None: ...
 
+class DecodeRequest(_message.Message):
+    __slots__ = ("session_id", "num_verified", "max_tokens", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    num_verified: int
+    max_tokens: int
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., num_verified: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("token_id", "num_verified", "batch_size", "server_seconds", "forward_seconds", "kernel_seconds")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    num_verified: int
+    batch_size: int
+    server_seconds: float
+    forward_seconds: float
+    kernel_seconds: float
+    def __init__(self, token_id: _Optional[int] = ..., num_verified: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

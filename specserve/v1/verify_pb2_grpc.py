@@ -28,8 +28,8 @@ if _version_not_supported:
 
 class VerifyServiceStub:
     """The target side of speculative decoding. A session starts with Prefill, advances with
-    Verify (one call per round) and ends with Release. Concurrent calls from different
-    sessions are batched together by the service.
+    Verify (one call per round) or Decode (target-only) and ends with Release. Concurrent
+    calls from different sessions are batched together by the service.
     """
 
     def __init__(self, channel):
@@ -48,6 +48,11 @@ class VerifyServiceStub:
                 request_serializer=specserve_dot_v1_dot_verify__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_verify__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.Decode = channel.unary_stream(
+                '/specserve.v1.VerifyService/Decode',
+                request_serializer=specserve_dot_v1_dot_verify__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_verify__pb2.DecodeResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specserve.v1.VerifyService/Release',
                 request_serializer=specserve_dot_v1_dot_verify__pb2.ReleaseRequest.SerializeToString,
@@ -62,8 +67,8 @@ class VerifyServiceStub:
 
 class VerifyServiceServicer:
     """The target side of speculative decoding. A session starts with Prefill, advances with
-    Verify (one call per round) and ends with Release. Concurrent calls from different
-    sessions are batched together by the service.
+    Verify (one call per round) or Decode (target-only) and ends with Release. Concurrent
+    calls from different sessions are batched together by the service.
     """
 
     def Prefill(self, request, context):
@@ -75,6 +80,15 @@ class VerifyServiceServicer:
 
     def Verify(self, request, context):
         """Scores draft tokens, keeps the accepted ones and samples the next token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decode(self, request, context):
+        """Target-only decoding: samples tokens one after another, each as a Verify without
+        drafts would, and streams each as it is made, without waiting for the caller between
+        tokens. Each token's forward is batched with the other calls of its moment.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,6 +121,11 @@ def add_VerifyServiceServicer_to_server(servicer, server):
                     request_deserializer=specserve_dot_v1_dot_verify__pb2.VerifyRequest.FromString,
                     response_serializer=specserve_dot_v1_dot_verify__pb2.VerifyResponse.SerializeToString,
             ),
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=specserve_dot_v1_dot_verify__pb2.DecodeRequest.FromString,
+                    response_serializer=specserve_dot_v1_dot_verify__pb2.DecodeResponse.SerializeToString,
+            ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
                     request_deserializer=specserve_dot_v1_dot_verify__pb2.ReleaseRequest.FromString,
@@ -127,8 +146,8 @@ def add_VerifyServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class VerifyService:
     """The target side of speculative decoding. A session starts with Prefill, advances with
-    Verify (one call per round) and ends with Release. Concurrent calls from different
-    sessions are batched together by the service.
+    Verify (one call per round) or Decode (target-only) and ends with Release. Concurrent
+    calls from different sessions are batched together by the service.
     """
 
     @staticmethod
@@ -175,6 +194,33 @@ class VerifyService:
             '/specserve.v1.VerifyService/Verify',
             specserve_dot_v1_dot_verify__pb2.VerifyRequest.SerializeToString,
             specserve_dot_v1_dot_verify__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specserve.v1.VerifyService/Decode',
+            specserve_dot_v1_dot_verify__pb2.DecodeRequest.SerializeToString,
+            specserve_dot_v1_dot_verify__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

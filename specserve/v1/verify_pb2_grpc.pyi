@@ -29,8 +29,8 @@ GRPC_VERSION: str
 
 class VerifyServiceStub:
     """The target side of speculative decoding. A session starts with Prefill, advances with
-    Verify (one call per round) and ends with Release. Concurrent calls from different
-    sessions are batched together by the service.
+    Verify (one call per round) or Decode (target-only) and ends with Release. Concurrent
+    calls from different sessions are batched together by the service.
     """
 
     @_typing.overload
@@ -41,6 +41,11 @@ class VerifyServiceStub:
     """Runs the target over a prompt and samples the token that follows it."""
     Verify: _grpc.UnaryUnaryMultiCallable[_verify_pb2.VerifyRequest, _verify_pb2.VerifyResponse]
     """Scores draft tokens, keeps the accepted ones and samples the next token."""
+    Decode: _grpc.UnaryStreamMultiCallable[_verify_pb2.DecodeRequest, _verify_pb2.DecodeResponse]
+    """Target-only decoding: samples tokens one after another, each as a Verify without
+    drafts would, and streams each as it is made, without waiting for the caller between
+    tokens. Each token's forward is batched with the other calls of its moment.
+    """
     Release: _grpc.UnaryUnaryMultiCallable[_verify_pb2.ReleaseRequest, _verify_pb2.ReleaseResponse]
     """Frees a session's target KV cache. Releasing an unknown session is not an error."""
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_common_pb2.ModelInfoRequest, _common_pb2.ModelInfo]
@@ -49,8 +54,8 @@ class VerifyServiceStub:
 @_typing.type_check_only
 class VerifyServiceAsyncStub(VerifyServiceStub):
     """The target side of speculative decoding. A session starts with Prefill, advances with
-    Verify (one call per round) and ends with Release. Concurrent calls from different
-    sessions are batched together by the service.
+    Verify (one call per round) or Decode (target-only) and ends with Release. Concurrent
+    calls from different sessions are batched together by the service.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -58,6 +63,11 @@ class VerifyServiceAsyncStub(VerifyServiceStub):
     """Runs the target over a prompt and samples the token that follows it."""
     Verify: _aio.UnaryUnaryMultiCallable[_verify_pb2.VerifyRequest, _verify_pb2.VerifyResponse]  # type: ignore[assignment]
     """Scores draft tokens, keeps the accepted ones and samples the next token."""
+    Decode: _aio.UnaryStreamMultiCallable[_verify_pb2.DecodeRequest, _verify_pb2.DecodeResponse]  # type: ignore[assignment]
+    """Target-only decoding: samples tokens one after another, each as a Verify without
+    drafts would, and streams each as it is made, without waiting for the caller between
+    tokens. Each token's forward is batched with the other calls of its moment.
+    """
     Release: _aio.UnaryUnaryMultiCallable[_verify_pb2.ReleaseRequest, _verify_pb2.ReleaseResponse]  # type: ignore[assignment]
     """Frees a session's target KV cache. Releasing an unknown session is not an error."""
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_common_pb2.ModelInfoRequest, _common_pb2.ModelInfo]  # type: ignore[assignment]
@@ -65,8 +75,8 @@ class VerifyServiceAsyncStub(VerifyServiceStub):
 
 class VerifyServiceServicer(metaclass=_abc_1.ABCMeta):
     """The target side of speculative decoding. A session starts with Prefill, advances with
-    Verify (one call per round) and ends with Release. Concurrent calls from different
-    sessions are batched together by the service.
+    Verify (one call per round) or Decode (target-only) and ends with Release. Concurrent
+    calls from different sessions are batched together by the service.
     """
 
     @_abc_1.abstractmethod
@@ -84,6 +94,17 @@ class VerifyServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_verify_pb2.VerifyResponse, _abc.Awaitable[_verify_pb2.VerifyResponse]]:
         """Scores draft tokens, keeps the accepted ones and samples the next token."""
+
+    @_abc_1.abstractmethod
+    def Decode(
+        self,
+        request: _verify_pb2.DecodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_verify_pb2.DecodeResponse], _abc.AsyncIterator[_verify_pb2.DecodeResponse]]:
+        """Target-only decoding: samples tokens one after another, each as a Verify without
+        drafts would, and streams each as it is made, without waiting for the caller between
+        tokens. Each token's forward is batched with the other calls of its moment.
+        """
 
     @_abc_1.abstractmethod
     def Release(
