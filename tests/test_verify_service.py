@@ -206,7 +206,7 @@ def test_bad_decode_calls_get_a_status_and_change_nothing(verify):
                 session_id="bad-decode", num_verified=4, max_tokens=3, sampling=common_pb2.SamplingParams(top_p=2)
             ),
             "INVALID_ARGUMENT",
-        ),  # fmt: skip
+        ),
     ]:
         assert status_of(lambda r=request: list(verify.Decode(r))).code().name == code
     assert [r.num_verified for r in decode(verify, "bad-decode", 4, 2)] == [5, 6]
