@@ -5,7 +5,8 @@ and lets concurrent calls from different sessions share a forward pass or a kern
 The services run the worker on the main thread (run()): torch's OpenMP thread team, driven
 from another thread and idle between calls, made a decode step more than twice as slow. Items already queued when a batch starts join it; max_wait_s bounds how long a
 lone item waits for company. An item whose process() result is Again goes on in the next
-batch, ahead of new items, under the same future: a decode makes one token per batch.
+batch, ahead of new items (but never filling a batch while others wait), under the same
+future: a decode makes one token per batch.
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ class Batcher(Generic[ItemT, ResultT]):
 
     def _gather(self) -> list[tuple[ItemT, Future]] | None:
         if self._carried:  # work under way waits for no one; what is queued joins it
-            batch, self._carried = self._carried, []
+            # Carried items that would fill the batch leave a place for a queued one (the
+            # rest go first next time): a full house of long decodes must not starve calls.
+            room = self._max_batch - (1 if self._queue.qsize() else 0)
+            batch, self._carried = self._carried[:room], self._carried[room:]
             deadline = time.monotonic()
         else:
             first = self._queue.get()
@@ -97,6 +101,8 @@ class Batcher(Generic[ItemT, ResultT]):
                 self._queue.put(None)  # stop after this batch
                 break
             batch.append(item)
+        if not batch:  # the place left was for the stop marker: carry on with the carried
+            batch, self._carried = self._carried[:1], self._carried[1:]
         return batch
 
     def _run_batch(self, batch: list[tuple[ItemT, Future]]) -> None:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from draft_service.config import DraftConfig
 from draft_service.engine import Drafter, DraftJob
-from specserve.errors import ResourceExhausted
+from specserve.batching import Again
+from specserve.errors import FailedPrecondition, ResourceExhausted
 from specserve.models import load_model
 from specserve.sampling import SamplingParams
 from verify_service.config import VerifyConfig
-from verify_service.engine import PrefillJob, ReleaseJob, Verifier, VerifyJob
+from verify_service.engine import DecodeJob, PrefillJob, ReleaseJob, Verifier, VerifyJob
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0)
@@ -26,6 +29,39 @@ def test_full_verifier_refuses_new_sessions_until_one_is_released(tiny_pair):
     assert not isinstance(verifier.step([PrefillJob("a", (3, 4), GREEDY)])[0], Exception)  # a restart reuses its slot
     verifier.step([ReleaseJob("b")])
     assert not isinstance(verifier.step([PrefillJob("c", (1, 2), GREEDY)])[0], Exception)
+
+
+def test_a_release_in_the_same_batch_as_a_call_of_its_session_frees_no_slot_under_it(tiny_pair):
+    # The call must not run on the slot the release frees (which another session may own next).
+    target_dir, _ = tiny_pair
+    verifier = Verifier(load_model(str(target_dir), CPU, torch.float32, num_slots=2), VerifyConfig(max_sessions=2))
+    verifier.step([PrefillJob("gone", (4, 5), GREEDY)])
+    verifier.step([PrefillJob("keep", (1, 2, 3), GREEDY)])  # the last slot, where slot -1 points
+    before = verifier.step([VerifyJob("keep", 4, (), (), None)])[0].next_token_id
+    verifier.step([PrefillJob("keep", (1, 2, 3), GREEDY)])  # the same session again, from scratch
+    ended = threading.Event()
+    decode = DecodeJob("gone", 3, 5, None, lambda outcome: None, ended, started=True)
+    results = verifier.step([VerifyJob("gone", 3, (), (), None), ReleaseJob("gone"), decode])
+    assert isinstance(results[0], FailedPrecondition) and results[2] is None
+    assert verifier.step([VerifyJob("keep", 4, (), (), None)])[0].next_token_id == before
+    assert verifier.backend.in_use == 1
+
+
+def test_a_decode_makes_a_token_per_batch_until_done_or_its_caller_has_gone(tiny_pair):
+    target_dir, _ = tiny_pair
+    verifier = Verifier(load_model(str(target_dir), CPU, torch.float32), VerifyConfig())
+    for session in ("by-decode", "by-verify"):
+        verifier.step([PrefillJob(session, (9, 8, 7), GREEDY)])
+    made, ended = [], threading.Event()
+    job = DecodeJob("by-decode", 4, 3, None, made.append, ended)
+    while isinstance(result := verifier.step([job])[0], Again):
+        job = result.item
+    assert [o.num_verified for o in made] == [5, 6, 7] and result is made[-1]
+    expected = [verifier.step([VerifyJob("by-verify", n, (), (), None)])[0].next_token_id for n in (4, 5, 6)]
+    assert [o.next_token_id for o in made] == expected
+    ended.set()  # the caller went away: the next step makes nothing
+    [result] = verifier.step([DecodeJob("by-decode", 7, 3, None, made.append, ended, started=True)])
+    assert result is None and len(made) == 3
 
 
 def _verify_alone_and_together(verifier: Verifier, sampling: SamplingParams):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,13 +57,14 @@ class VerifyJob:
 @dataclass(frozen=True)
 class DecodeJob:
     """Up to max_tokens target-only tokens, one per batch. emit gets each token's Outcome on
-    the worker thread and answers whether the caller still wants more."""
+    the worker thread; ended, once set (the call is over), stops the decode before its next token."""
 
     session_id: str
     num_verified: int
     max_tokens: int
     sampling: SamplingParams | None
-    emit: Callable[[Outcome], bool]
+    emit: Callable[[Outcome], None]
+    ended: threading.Event
     started: bool = False  # a token was made: a session gone since then ends the decode quietly
 
     def as_verify(self) -> VerifyJob:
@@ -144,17 +146,23 @@ class Verifier:
         results: list[Outcome | Again | None | BaseException] = [None] * len(jobs)
         rows: list[tuple[int, _Row]] = []
         claimed: set[str] = set()
+        # Releases first: no row of a batch may run on a cache slot freed in the same batch.
+        for job in jobs:
+            if isinstance(job, ReleaseJob):
+                self._release(job.session_id)
+            elif isinstance(job, SweepJob):
+                self._sweep(job.now)
         for index, job in enumerate(jobs):
+            if isinstance(job, (ReleaseJob, SweepJob)):
+                continue
             try:
-                if isinstance(job, ReleaseJob):
-                    self._release(job.session_id)
-                    continue
-                if isinstance(job, SweepJob):
-                    self._sweep(job.now)
-                    continue
                 require(job.session_id not in claimed, "another call for this session is in the same batch")
-                if isinstance(job, DecodeJob) and job.started and job.session_id not in self.sessions:
-                    continue  # released while decoding: its caller has gone
+                if (
+                    isinstance(job, DecodeJob)
+                    and job.started
+                    and (job.ended.is_set() or job.session_id not in self.sessions)
+                ):
+                    continue  # its caller has gone (or released the session) since the last token
                 rows.append((index, self._prepare(job)))
                 claimed.add(job.session_id)
             except Exception as error:  # noqa: BLE001 - one bad call must not fail its batch
@@ -185,9 +193,9 @@ class Verifier:
 
     def _decoded(self, job: DecodeJob, outcome: Outcome) -> Outcome | Again:
         """Hands a decode's token to its caller; Again while it goes on."""
-        wanted = job.emit(outcome)
+        job.emit(outcome)
         done = (
-            not wanted
+            job.ended.is_set()
             or job.max_tokens <= 1
             or outcome.next_token_id in self.loaded.eos_token_ids
             or outcome.num_verified >= self.loaded.max_context_length

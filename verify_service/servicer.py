@@ -73,12 +73,8 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         ended = threading.Event()
         context.add_callback(ended.set)  # the call ended: finished, cancelled or timed out
 
-        def emit(outcome: Outcome) -> bool:
-            made.put(outcome)
-            return not ended.is_set()
-
         sampling = SamplingParams.from_proto(request.sampling) if request.HasField("sampling") else None
-        job = DecodeJob(request.session_id, request.num_verified, request.max_tokens, sampling, emit)
+        job = DecodeJob(request.session_id, request.num_verified, request.max_tokens, sampling, made.put, ended)
         self._metrics.queue_depth.set(self._batcher.pending)
         since, last_sent = time.time_ns(), time.perf_counter()
         future = self._batcher.submit_async(job)
