@@ -52,6 +52,11 @@ class Gateway:
     backends: Backends | None = None
     in_flight: int = 0  # requests being generated (touched only on the event loop)
 
+    def crowded(self) -> bool:
+        """Whether more requests run than speculation pays for (max_speculating_requests)."""
+        limit = self.config.max_speculating_requests
+        return limit > 0 and self.in_flight > limit
+
     def plan(self, request, prompt_token_ids: list[int]) -> GenerationPlan:
         check_model(request.model, self.served)
         return plan_for(request, prompt_token_ids, self.served, self.config)
@@ -263,7 +268,7 @@ async def _respond(gateway: Gateway, request, plan: GenerationPlan, chat: bool):
     observer = RequestObserver(gateway.metrics, chat, gateway.served.name, plan)
     run = _Run(
         plan=plan,
-        rounds=generate(gateway.backends, plan, stats, observer.context, gateway.metrics),
+        rounds=generate(gateway.backends, plan, stats, observer.context, gateway.metrics, gateway.crowded),
         assembler=TextAssembler(
             gateway.tokenizer, gateway.served.eos_token_ids, request.stop_strings(), plan.max_tokens
         ),

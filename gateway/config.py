@@ -31,6 +31,12 @@ class GatewayConfig(TracingOptions):
     min_draft_probability: float = field(
         0.0, "stop drafting once the draft's top probability falls below this (0: never)"
     )
+    max_speculating_requests: int = field(
+        0,
+        "speculate only while at most this many requests are being generated (0: no limit); beyond it requests "
+        "decode target-only, 16 tokens at a time, until fewer run. Speculation pays while the target's pass is "
+        "bound by memory traffic; on a CPU under load it is bound by the cores (docs/benchmarks.md)",
+    )
     startup_timeout_s: float = field(300.0, "how long to wait at start for both services to answer")
     rpc_timeout_s: float = field(60.0, "deadline of each call to the verify service")
     draft_timeout_s: float = field(5.0, "deadline of each draft proposal; a late one makes a target-only round")
@@ -74,5 +80,6 @@ class GatewayConfig(TracingOptions):
             self.draft_timeout_s > 0 and self.verify_retry_s >= 0 and self.draft_backoff_s >= 0, "timeouts must be > 0"
         )
         check(self.max_concurrent_requests >= 1, "max_concurrent_requests must be >= 1")
+        check(self.max_speculating_requests >= 0, "max_speculating_requests must be >= 0")
         check(bool(self.http_tls_cert) == bool(self.http_tls_key), "HTTPS needs both http_tls_cert and http_tls_key")
         check(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")

@@ -12,7 +12,7 @@ import torch
 from scipy import stats
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import free_port, up_command
+from tests.conftest import free_port, start_stack, stop_process, up_command
 
 PROMPTS = [
     (72, 101, 108, 108, 111),
@@ -58,6 +58,26 @@ def test_greedy_speculative_equals_target_only_and_transformers(stack):
         for method, k in methods:
             assert results[(prompt, method, k)] == reference, (method, k)
         assert reference == target_greedy(model, prompt, 40)
+
+
+def test_beyond_max_speculating_requests_rounds_run_target_only_and_stay_exact(tiny_pair):
+    crowded = start_stack(*tiny_pair, env={"SPECSERVE_GATEWAY_MAX_SPECULATING_REQUESTS": "1"})
+    try:
+
+        def run(prompt, **speculation):
+            return complete(crowded.url, prompt=list(prompt), max_tokens=60, temperature=0, return_token_ids=True,
+                            **speculation)  # fmt: skip
+
+        references = [run(p, speculation={"method": "none"})["choices"][0]["token_ids"] for p in PROMPTS]
+        alone = [run(p) for p in PROMPTS]  # one at a time: every round speculates
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            together = list(pool.map(run, PROMPTS))
+        assert [r["choices"][0]["token_ids"] for r in alone] == references
+        assert [r["choices"][0]["token_ids"] for r in together] == references
+        drafted = [sum(r["usage"]["speculation"]["num_drafts"] for r in replies) for replies in (alone, together)]
+        assert drafted[0] > 0 and drafted[1] < drafted[0], drafted
+    finally:
+        stop_process(crowded.process)
 
 
 def test_adaptive_k_and_confidence_stop_keep_greedy_output(stack):
