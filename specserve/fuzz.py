@@ -95,12 +95,18 @@ def fuzz_grpc(verify_address: str, draft_address: str, count: int, tally: Tally)
         st.builds(lambda s, n, d, q, p: (verify.Verify, verify_pb2.VerifyRequest(
             session_id=s, num_verified=n, draft_token_ids=d, draft_distributions=q, sampling=p)),
             sessions, counts, tokens, st.lists(distribution, max_size=20), sampling),
+        st.builds(lambda s, n, m, p: (decode, verify_pb2.DecodeRequest(
+            session_id=s, num_verified=n, max_tokens=m, sampling=p)),
+            sessions, counts, st.integers(0, 40) | st.just(2**32 - 1), sampling),
         st.builds(lambda s: (verify.Release, verify_pb2.ReleaseRequest(session_id=s)), sessions),
     )  # fmt: skip
     draft_requests = st.lists(st.builds(
         draft_pb2.DraftRequest, session_id=sessions, tokens=tokens, num_verified=counts, num_speculative_tokens=counts,
         sampling=sampling, method=st.sampled_from(["", "draft_model", "ngram", "early_exit", "bogus"]),
         min_draft_probability=floats, want_bonus_guess=st.booleans()), min_size=1, max_size=4)  # fmt: skip
+
+    def decode(request, timeout):
+        return list(verify.Decode(request, timeout=timeout))
 
     def code_of(call) -> grpc.StatusCode:
         try:
