@@ -258,7 +258,8 @@ class _Session:
                     raise
                 log.warning("decode stream broken (%s); prefilling again", _describe(error))
             started = time.perf_counter()
-            token = await _prefill(self.backends, self.id, self.sequence, self.sampling)
+            with span("prefill", context=parent):
+                token = await _prefill(self.backends, self.id, self.sequence, self.sampling)
             self.sequence.append(token)
             remaining -= 1
             yield Round([token], 0, 0, 1, 0.0, 0.0, time.perf_counter() - started, 0.0)
@@ -433,30 +434,33 @@ async def _verify(
 
 async def _decode(backends: Backends, request: verify_pb2.DecodeRequest, parent: Context | None):
     """The Decode stream's tokens as rounds, under one client span when tracing is on (not
-    made current: the consumer runs between tokens). Each token must arrive within
-    rpc_timeout_s of the one before (TimeoutError otherwise); the call is cancelled when the
-    consumer stops early."""
+    made current: the consumer runs between tokens). A round's verify time is the gap since
+    the previous token arrived (the call's start, for the first), matching the service's
+    server_seconds. Each token must arrive within rpc_timeout_s of the one before
+    (TimeoutError otherwise); the call is cancelled when the consumer stops early, which is
+    no error."""
     call_span = start_span(f"{VERIFY_SERVICE}/Decode", kind=SpanKind.CLIENT, context=parent,
                            attributes=_DECODE_ATTRIBUTES)  # fmt: skip
-    call = backends.verify.Decode(request, metadata=metadata_with_trace_context(call_span), wait_for_ready=True)
-    status = grpc.StatusCode.OK
+    call, status = None, grpc.StatusCode.OK
     try:
         last = time.perf_counter()
+        call = backends.verify.Decode(request, metadata=metadata_with_trace_context(call_span), wait_for_ready=True)
         while (response := await asyncio.wait_for(call.read(), backends.rpc_timeout_s)) is not grpc.aio.EOF:
             now = time.perf_counter()
             first = response.num_verified == request.num_verified + 1
             wire_bytes = response.ByteSize() + (request.ByteSize() if first else 0)
             yield Round([response.token_id], 0, 0, response.batch_size, 0.0, 0.0, now - last, response.server_seconds,
                         response.forward_seconds, response.kernel_seconds, wire_bytes)  # fmt: skip
-            last = time.perf_counter()
+            last = now
     except grpc.aio.AioRpcError as error:
         status = error.code()
         raise
-    except (TimeoutError, asyncio.CancelledError, GeneratorExit):
+    except (TimeoutError, asyncio.CancelledError):
         status = grpc.StatusCode.CANCELLED
         raise
-    finally:
-        call.cancel()  # nothing when it has finished
+    finally:  # GeneratorExit (the consumer has what it wanted) ends the span as OK
+        if call is not None:
+            call.cancel()  # nothing when it has finished
         if call_span.is_recording():
             set_rpc_status(call_span, status)
             call_span.end()

@@ -5,8 +5,8 @@ and lets concurrent calls from different sessions share a forward pass or a kern
 The services run the worker on the main thread (run()): torch's OpenMP thread team, driven
 from another thread and idle between calls, made a decode step more than twice as slow. Items already queued when a batch starts join it; max_wait_s bounds how long a
 lone item waits for company. An item whose process() result is Again goes on in the next
-batch, ahead of new items (but never filling a batch while others wait), under the same
-future: a decode makes one token per batch.
+batch, ahead of new items (but leaving them up to half of it), under the same future: a
+decode makes one token per batch.
 """
 
 from __future__ import annotations
@@ -80,9 +80,10 @@ class Batcher(Generic[ItemT, ResultT]):
 
     def _gather(self) -> list[tuple[ItemT, Future]] | None:
         if self._carried:  # work under way waits for no one; what is queued joins it
-            # Carried items that would fill the batch leave a place for a queued one (the
-            # rest go first next time): a full house of long decodes must not starve calls.
-            room = self._max_batch - (1 if self._queue.qsize() else 0)
+            # Carried items leave up to half the batch to queued ones (the rest of the carried
+            # go first next time): a full house of long decodes must not starve new calls.
+            queued = self._queue.qsize()
+            room = self._max_batch - min(queued, max(1, self._max_batch // 2))
             batch, self._carried = self._carried[:room], self._carried[room:]
             deadline = time.monotonic()
         else:

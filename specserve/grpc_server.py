@@ -120,6 +120,10 @@ def _guard_stream(behavior: Callable, method: str, traced: bool = False) -> Call
         with rpc_span(SpanKind.SERVER, method, parent) if traced else nullcontext() as span:
             try:
                 yield from behavior(request, context)
+            except GeneratorExit:  # the client cancelled the call while an answer was on its way
+                if span is not None:
+                    set_rpc_status(span, grpc.StatusCode.CANCELLED)
+                raise
             except grpc.RpcError:
                 if context.is_active():
                     raise

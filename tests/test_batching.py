@@ -29,6 +29,35 @@ def test_an_item_carried_on_keeps_its_future_and_queued_items_join_it():
         ("decode", 3), ("decode", 2), ("decode", 1)]  # fmt: skip
 
 
+def test_queued_calls_share_batches_with_carried_items_and_get_up_to_half_of_them():
+    hold = threading.Event()
+    batches: list[list] = []
+
+    def process(items):
+        batches.append(list(items))
+        if len(batches) == 1:
+            hold.wait(5)  # while the first batch runs, calls queue behind it
+        return [Again(item) if item.startswith("decode") and len(batches) < 8 else item for item in items]
+
+    batcher = Batcher(process, max_batch=8, max_wait_s=0.05, name="test", own_thread=False)
+    decodes = [batcher.submit_async(f"decode-{i}") for i in range(8)]
+    worker = threading.Thread(target=batcher.run)
+    worker.start()
+    while not batches:
+        pass
+    calls = [batcher.submit_async(f"call-{i}") for i in range(6)]
+    hold.set()
+    assert [c.result(timeout=5) for c in calls] == [f"call-{i}" for i in range(6)]
+    assert all(d.result(timeout=5).startswith("decode") for d in decodes)
+    batcher.close()
+    worker.join(timeout=5)
+    assert all(len(batch) <= 8 for batch in batches)
+    second, third = batches[1], batches[2]
+    assert sum(i.startswith("call") for i in second) == 4  # half the batch, beside 4 carried decodes
+    assert sum(i.startswith("decode") for i in second) == 4
+    assert sum(i.startswith("call") for i in third) == 2 and sum(i.startswith("decode") for i in third) == 6
+
+
 def test_carried_items_that_fill_a_batch_leave_a_place_for_a_queued_one():
     release = threading.Event()
     batches: list[list] = []

@@ -39,12 +39,33 @@ def test_a_release_in_the_same_batch_as_a_call_of_its_session_frees_no_slot_unde
     verifier.step([PrefillJob("keep", (1, 2, 3), GREEDY)])  # the last slot, where slot -1 points
     before = verifier.step([VerifyJob("keep", 4, (), (), None)])[0].next_token_id
     verifier.step([PrefillJob("keep", (1, 2, 3), GREEDY)])  # the same session again, from scratch
-    ended = threading.Event()
-    decode = DecodeJob("gone", 3, 5, None, lambda outcome: None, ended, started=True)
+    decode = DecodeJob("gone", 3, 5, None, lambda outcome: None, threading.Event(), verifier.sessions["gone"])
     results = verifier.step([VerifyJob("gone", 3, (), (), None), ReleaseJob("gone"), decode])
-    assert isinstance(results[0], FailedPrecondition) and results[2] is None
+    # Both are told the session is gone (the decode's caller, still there, prefills again).
+    assert isinstance(results[0], FailedPrecondition) and isinstance(results[2], FailedPrecondition)
     assert verifier.step([VerifyJob("keep", 4, (), (), None)])[0].next_token_id == before
     assert verifier.backend.in_use == 1
+
+
+def test_a_prefill_of_a_decoding_session_wins_and_the_decode_stops(tiny_pair):
+    target_dir, _ = tiny_pair
+    verifier = Verifier(load_model(str(target_dir), CPU, torch.float32), VerifyConfig())
+    verifier.step([PrefillJob("s", (9, 8, 7), GREEDY)])
+    made, ended = [], threading.Event()
+    [again] = verifier.step([DecodeJob("s", 4, 10, None, made.append, ended)])
+    assert isinstance(again, Again) and len(made) == 1
+    # A gateway that gave up on the stream (its cancel not seen yet) prefills again: same batch.
+    decode_result, prefill_result = verifier.step([again.item, PrefillJob("s", (9, 8, 7), GREEDY)])
+    assert isinstance(decode_result, FailedPrecondition) and prefill_result.num_verified == 4
+    # Or in a later batch: the decode still holds the session object the prefill replaced.
+    verifier.step([PrefillJob("s", (9, 8, 7), GREEDY)])
+    assert isinstance(verifier.step([again.item])[0], FailedPrecondition)
+    # A decode whose call ended before its first token makes nothing and claims nothing.
+    ended.set()
+    nothing, prefill_result = verifier.step(
+        [DecodeJob("s", 4, 10, None, made.append, ended), PrefillJob("s", (1,), GREEDY)]
+    )
+    assert nothing is None and prefill_result.num_verified == 2 and len(made) == 1
 
 
 def test_a_decode_makes_a_token_per_batch_until_done_or_its_caller_has_gone(tiny_pair):
@@ -60,7 +81,7 @@ def test_a_decode_makes_a_token_per_batch_until_done_or_its_caller_has_gone(tiny
     expected = [verifier.step([VerifyJob("by-verify", n, (), (), None)])[0].next_token_id for n in (4, 5, 6)]
     assert [o.next_token_id for o in made] == expected
     ended.set()  # the caller went away: the next step makes nothing
-    [result] = verifier.step([DecodeJob("by-decode", 7, 3, None, made.append, ended, started=True)])
+    [result] = verifier.step([DecodeJob("by-decode", 7, 3, None, made.append, ended, verifier.sessions["by-decode"])])
     assert result is None and len(made) == 3
 
 

@@ -33,7 +33,9 @@ class VerifyConfig(TracingOptions):
     max_model_len: int = field(4096, "longest sequence served (capped by the model's own limit); sizes the KV cache")
     max_batched_tokens: int = field(2048, "most tokens in one forward; longer prompts are prefilled in chunks")
     threads: int = field(0, "torch CPU threads for the model (0: torch's default)")
-    max_workers: int = field(256, "gRPC worker threads (concurrent calls in flight)")
+    max_workers: int = field(
+        300, "gRPC worker threads (concurrent calls in flight; each Decode stream holds one while it lasts)"
+    )
     metrics_port: int = field(9102, "port of the Prometheus /metrics endpoint (0: none)")
     health_port: int = field(
         0, "plaintext port serving only grpc.health.v1, for probes that cannot speak TLS (0: none)"
@@ -64,6 +66,10 @@ class VerifyConfig(TracingOptions):
         check(self.max_batched_tokens >= 1, "max_batched_tokens must be >= 1")
         check(self.threads >= 0, "threads must be >= 0")
         check(self.max_workers >= 4, "max_workers must be >= 4")
+        check(
+            self.max_workers > self.max_sessions,
+            "max_workers must exceed max_sessions: a Decode stream holds a thread, and other calls need some",
+        )
 
     @property
     def address(self) -> str:

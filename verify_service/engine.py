@@ -57,7 +57,8 @@ class VerifyJob:
 @dataclass(frozen=True)
 class DecodeJob:
     """Up to max_tokens target-only tokens, one per batch. emit gets each token's Outcome on
-    the worker thread; ended, once set (the call is over), stops the decode before its next token."""
+    the worker thread; ended, once set (the call is over), stops the decode before its next
+    token, or before its first."""
 
     session_id: str
     num_verified: int
@@ -65,7 +66,7 @@ class DecodeJob:
     sampling: SamplingParams | None
     emit: Callable[[Outcome], None]
     ended: threading.Event
-    started: bool = False  # a token was made: a session gone since then ends the decode quietly
+    session: Session | None = None  # the session it decodes into, from its first token on
 
     def as_verify(self) -> VerifyJob:
         return VerifyJob(self.session_id, self.num_verified, (), (), self.sampling)
@@ -152,17 +153,16 @@ class Verifier:
                 self._release(job.session_id)
             elif isinstance(job, SweepJob):
                 self._sweep(job.now)
+        prefilled = {job.session_id for job in jobs if isinstance(job, PrefillJob)}
         for index, job in enumerate(jobs):
             if isinstance(job, (ReleaseJob, SweepJob)):
                 continue
             try:
+                if isinstance(job, DecodeJob):
+                    if job.ended.is_set():
+                        continue  # its caller has gone: nothing more to make
+                    self._check_decode(job, prefilled)
                 require(job.session_id not in claimed, "another call for this session is in the same batch")
-                if (
-                    isinstance(job, DecodeJob)
-                    and job.started
-                    and (job.ended.is_set() or job.session_id not in self.sessions)
-                ):
-                    continue  # its caller has gone (or released the session) since the last token
                 rows.append((index, self._prepare(job)))
                 claimed.add(job.session_id)
             except Exception as error:  # noqa: BLE001 - one bad call must not fail its batch
@@ -191,6 +191,18 @@ class Verifier:
         self._observe(len(rows), (forwarded - started) / 1e9)
         return results
 
+    def _check_decode(self, job: DecodeJob, prefilled: set[str]) -> None:
+        """A decode whose session was released or started again (a Prefill, before this
+        batch or in it) stops, and its caller is told the session's length: the tokens it
+        would make no longer follow the caller's sequence."""
+        current = self.sessions.get(job.session_id)
+        replaced = job.session is not None and current is not job.session
+        if replaced or job.session_id in prefilled:
+            length = len(current.tokens) if current is not None and job.session_id not in prefilled else 0
+            raise FailedPrecondition(
+                f"session {job.session_id!r} was released or prefilled again while decoding", length
+            )
+
     def _decoded(self, job: DecodeJob, outcome: Outcome) -> Outcome | Again:
         """Hands a decode's token to its caller; Again while it goes on."""
         job.emit(outcome)
@@ -203,7 +215,7 @@ class Verifier:
         if done:
             return outcome
         return Again(dataclasses.replace(job, num_verified=outcome.num_verified, max_tokens=job.max_tokens - 1,
-                                         started=True))  # fmt: skip
+                                         session=self.sessions[job.session_id]))  # fmt: skip
 
     def _observe(self, rows: int, forward_seconds: float) -> None:
         if self.metrics is not None:

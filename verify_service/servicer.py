@@ -68,7 +68,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
 
     def Decode(self, request: verify_pb2.DecodeRequest, context) -> Iterator[verify_pb2.DecodeResponse]:
         """Streams the tokens the worker makes, one per batch: it goes on to the next token
-        without waiting for this thread or the caller; it stops once the call has ended."""
+        without waiting for this thread or the caller, and makes none once the call has ended."""
         made: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
         ended = threading.Event()
         context.add_callback(ended.set)  # the call ended: finished, cancelled or timed out
@@ -76,22 +76,21 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         sampling = SamplingParams.from_proto(request.sampling) if request.HasField("sampling") else None
         job = DecodeJob(request.session_id, request.num_verified, request.max_tokens, sampling, made.put, ended)
         self._metrics.queue_depth.set(self._batcher.pending)
-        since, last_sent = time.time_ns(), time.perf_counter()
+        since = time.time_ns()  # the previous token's decision; the call's arrival for the first
         future = self._batcher.submit_async(job)
         future.add_done_callback(lambda _: made.put(None))
         try:
             while (outcome := made.get()) is not None:
                 self._record(outcome, since)
-                now = time.perf_counter()
                 yield verify_pb2.DecodeResponse(
                     token_id=outcome.next_token_id,
                     num_verified=outcome.num_verified,
                     batch_size=outcome.batch_size,
-                    server_seconds=now - last_sent,
+                    server_seconds=max(0, outcome.decided_ns - since) / 1e9,
                     forward_seconds=outcome.forward_seconds,
                     kernel_seconds=outcome.kernel_seconds,
                 )
-                since, last_sent = outcome.decided_ns, time.perf_counter()
+                since = outcome.decided_ns
             future.result()  # raises the decode's error, after the tokens made before it
         finally:
             ended.set()
