@@ -7,12 +7,12 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from contextlib import nullcontext
+from contextlib import contextmanager
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Span, SpanKind
 
 from specserve.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted
 from specserve.telemetry import extract, rpc_span, set_rpc_status, tracing_enabled
@@ -67,7 +67,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         traced = self._traced and method.startswith("/specserve.")
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                (_traced_unary if traced else _guard_unary)(handler.unary_unary, method),
+                _guard_unary(handler.unary_unary, method, traced),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
@@ -86,29 +86,33 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         return handler
 
 
-def _guard_unary(behavior: Callable, method: str) -> Callable:
+@contextmanager
+def _server_span(context, method: str, traced: bool) -> Iterator[Span | None]:
+    """The call's server span, a child of the caller's trace context; None untraced."""
+    if not traced:
+        yield None
+        return
+    with rpc_span(SpanKind.SERVER, method, extract(dict(context.invocation_metadata()))) as span:
+        yield span
+
+
+def _status(span: Span | None, code: grpc.StatusCode) -> None:
+    if span is not None:
+        set_rpc_status(span, code)
+
+
+def _guard_unary(behavior: Callable, method: str, traced: bool = False) -> Callable:
     def guarded(request, context):
-        try:
-            return behavior(request, context)
-        except Exception as error:  # noqa: BLE001 - mapped to a status, never kills the server
-            _abort(context, error, method)
-
-    return guarded
-
-
-def _traced_unary(behavior: Callable, method: str) -> Callable:
-    def traced(request, context):
-        parent = extract(dict(context.invocation_metadata()))
-        with rpc_span(SpanKind.SERVER, method, parent) as span:
+        with _server_span(context, method, traced) as span:
             try:
                 reply = behavior(request, context)
-            except Exception as error:  # noqa: BLE001
-                set_rpc_status(span, _code_of(error))
+            except Exception as error:  # noqa: BLE001 - mapped to a status, never kills the server
+                _status(span, _code_of(error))
                 _abort(context, error, method)
-            set_rpc_status(span, grpc.StatusCode.OK)
+            _status(span, grpc.StatusCode.OK)
             return reply
 
-    return traced
+    return guarded
 
 
 def _guard_stream(behavior: Callable, method: str, traced: bool = False) -> Callable:
@@ -116,25 +120,21 @@ def _guard_stream(behavior: Callable, method: str, traced: bool = False) -> Call
     the whole call is one server span."""
 
     def guarded(request, context) -> Iterator:
-        parent = extract(dict(context.invocation_metadata())) if traced else None
-        with rpc_span(SpanKind.SERVER, method, parent) if traced else nullcontext() as span:
+        with _server_span(context, method, traced) as span:
             try:
                 yield from behavior(request, context)
             except GeneratorExit:  # the client cancelled the call while an answer was on its way
-                if span is not None:
-                    set_rpc_status(span, grpc.StatusCode.CANCELLED)
+                _status(span, grpc.StatusCode.CANCELLED)
                 raise
             except grpc.RpcError:
                 if context.is_active():
                     raise
                 # The client went away mid-stream: nothing to answer, nothing to log.
             except Exception as error:  # noqa: BLE001
-                if span is not None:
-                    set_rpc_status(span, _code_of(error))
+                _status(span, _code_of(error))
                 _abort(context, error, method)
             else:
-                if span is not None:
-                    set_rpc_status(span, grpc.StatusCode.OK)
+                _status(span, grpc.StatusCode.OK)
 
     return guarded
 

@@ -73,7 +73,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         ended = threading.Event()
         context.add_callback(ended.set)  # the call ended: finished, cancelled or timed out
 
-        sampling = SamplingParams.from_proto(request.sampling) if request.HasField("sampling") else None
+        sampling = _sampling_of(request)
         job = DecodeJob(request.session_id, request.num_verified, request.max_tokens, sampling, made.put, ended)
         self._metrics.queue_depth.set(self._batcher.pending)
         since = time.time_ns()  # the previous token's decision; the call's arrival for the first
@@ -107,7 +107,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             SparseDistribution.from_proto(d, self._loaded.vocab_size, self._config.max_support)
             for d in request.draft_distributions
         )
-        sampling = SamplingParams.from_proto(request.sampling) if request.HasField("sampling") else None
+        sampling = _sampling_of(request)
         return VerifyJob(
             session_id=request.session_id,
             num_verified=request.num_verified,
@@ -115,3 +115,8 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             draft_distributions=distributions,
             sampling=sampling,
         )
+
+
+def _sampling_of(request) -> SamplingParams | None:
+    """A Verify or Decode call's own sampling parameters; None: the session's (Prefill's)."""
+    return SamplingParams.from_proto(request.sampling) if request.HasField("sampling") else None
