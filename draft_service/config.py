@@ -23,7 +23,7 @@ class DraftConfig(TracingOptions):
     max_wait_ms: float = field(0.0, "how long a lone request waits for others to share its batch")
     matmul_dtype: str = field(
         "auto",
-        "dtype of the runner's weight matrices: auto (a 16-bit checkpoint on CPU: bfloat16 where the CPU has it, else float16; "
+        "dtype of the runner's weight matrices: auto (a 16-bit checkpoint on CPU: bfloat16 where the CPU has it, else float32; "
         "float32 for a model under 16 MiB of float32 matrices, which the CPU's caches hold), or a dtype",
     )
     backend: str = field(

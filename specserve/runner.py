@@ -78,29 +78,41 @@ class _Linear:
     On a CPU, F.linear hands a 16-bit weight to oneDNN, which reorders the whole matrix into
     its blocked layout on every call: for one row that reorder is most of the cost (the demo
     target's 25 matrices: 1.9 ms a decode step, 0.9 ms reordered once here). The prepacked
-    product is the same oneDNN kernel, bitwise equal to F.linear's and row-independent."""
+    product is the same oneDNN kernel, bitwise equal to F.linear's and row-independent. A
+    float32 matrix is prepacked where products must not depend on the row count (a
+    verifier's): F.linear's float32 kernels (MKL) round differently for 1, 2-3 and 4 or more
+    rows, oneDNN's the same for every count of two or more."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, row_invariant: bool = True):
         self.dtype = weight.dtype
         self.bias = bias
-        self.packed = _prepack(weight)
+        self.packed = _prepack(weight, row_invariant)
         self.weight = weight if self.packed is None else None
+        # oneDNN's float32 product of one row takes another kernel than that of two or more
+        # (which agree bitwise whatever the count): a lone row goes in twice.
+        self.pad_single = self.packed is not None and self.dtype == torch.float32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         h = x if x.dtype == self.dtype else x.to(self.dtype)
         if self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(h, self.packed, self.bias, "none", [], "")
+            if self.pad_single and h.shape[0] == 1:
+                y = torch.ops.mkldnn._linear_pointwise(h.expand(2, -1), self.packed, self.bias, "none", [], "")[:1]
+            else:
+                y = torch.ops.mkldnn._linear_pointwise(h, self.packed, self.bias, "none", [], "")
         else:
             y = F.linear(h, self.weight, self.bias)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked copy of a bfloat16 CPU matrix, or None where F.linear is used as is."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+def _prepack(weight: torch.Tensor, row_invariant: bool = True) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a bfloat16 CPU matrix (or of a float32 one whose products must
+    not depend on the row count), or None where F.linear is used as is."""
+    packable = weight.dtype == torch.bfloat16 or (weight.dtype == torch.float32 and row_invariant)
+    if weight.device.type != "cpu" or not packable or not torch.backends.mkldnn.is_available():
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+        rows = 1 if weight.dtype == torch.bfloat16 else PREPACK_ROWS
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows)
     except (AttributeError, RuntimeError) as error:  # a torch without the op, or a CPU oneDNN cannot serve
         log.info("bfloat16 matrices not prepacked (%s); F.linear reorders them per call", error)
         return None
@@ -136,28 +148,36 @@ class _BatchLayout:
 def auto_matmul_dtype(
     weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, row_invariant: bool = True
 ) -> torch.dtype:
-    """The matrices' dtype when none is asked for. On a CPU a decode step streams every
-    matrix from memory, so a 16-bit checkpoint keeps 16-bit matrices. Measured on this
-    project's CPU (AVX512-BF16, two threads, the 14M-parameter demo target's 25 matrices):
-    float32 5.9 ms at 1 row and 9.9 at 5; float16 1.0 ms at 1 but 4.2 at 5 (its kernels work
-    row by row, and round differently with the number of rows); bfloat16, prepacked (see
-    _Linear), 0.9 ms at 1 and 1.0 at 5, the same for every row count. Verifying K + 1 tokens at the price of one step is what makes
-    speculation pay, so bfloat16 where the CPU multiplies it natively, float16 elsewhere.
-    Activations, norms and the KV cache stay in dtype. On CUDA dtype is already 16-bit.
-    Where results need not be row-independent (a draft: verification keeps output exact
-    whatever it proposes), a model whose matrices take under SMALL_MODEL_BYTES in float32
-    stays float32: they stay in the CPU's caches, so 16 bits save no memory traffic and the
-    conversions dominate (the 1.5M-parameter demo draft: float32 0.8 ms a decode step,
-    bfloat16 1.1 ms)."""
+    """The matrices' dtype when none is asked for. Verifying K + 1 tokens at about the price of
+    one step is what makes speculation pay, and the verifier's products must not depend on the
+    row count (greedy output stays target-only's), so the choice is the fastest kernel that is
+    row-independent and cheap for many rows. Measured on two-thread CPUs with the
+    14M-parameter demo target's 25 matrices:
+    - with AVX512-BF16: bfloat16, prepacked (see _Linear), 0.9 ms at 1 row and 1.0 at 5, the
+      same for every row count; float32 5.9 ms at 1 and 9.9 at 5; float16 1.0 ms at 1 but 4.2
+      at 5 (its kernels work row by row, and round differently with the number of rows);
+    - without (AVX512 only): float32, prepacked, 4 ms at 2 rows, 4 at 5, 5 at 16 and 11 at 80;
+      float16 2.5 ms at 1, 8 at 5, 26 at 16, 132 at 80; bfloat16 is converted in software
+      and rounds differently with the number of rows.
+    So a 16-bit checkpoint keeps bfloat16 matrices where the CPU multiplies it natively and
+    float32 elsewhere. Activations, norms and the KV cache stay in dtype. On CUDA dtype is
+    already 16-bit. Where results need not be row-independent (a draft: verification keeps
+    output exact whatever it proposes), a model whose matrices take under SMALL_MODEL_BYTES
+    in float32 stays float32: they stay in the CPU's caches, so 16 bits save no memory
+    traffic and the conversions dominate (the 1.5M-parameter demo draft: float32 0.8 ms a
+    decode step, bfloat16 1.1 ms)."""
     checkpoint = next(iter(weights.values())).dtype
     if device.type != "cpu" or dtype != torch.float32 or checkpoint not in (torch.float16, torch.bfloat16):
         return dtype
+    if not cpu_has_bf16():
+        return torch.float32
     if not row_invariant and sum(w.numel() for w in weights.values() if w.dim() == 2) * 4 < SMALL_MODEL_BYTES:
         return torch.float32
-    return torch.bfloat16 if cpu_has_bf16() else torch.float16
+    return torch.bfloat16
 
 
 SMALL_MODEL_BYTES = 16 * 2**20
+PREPACK_ROWS = 16  # the row count oneDNN chooses a float32 matrix's blocked layout for
 
 
 def cpu_has_bf16() -> bool:
@@ -216,6 +236,7 @@ class LlamaRunner:
         weights = load_safetensors(Path(directory))
         self.matmul_dtype = matmul_dtype or auto_matmul_dtype(weights, device, dtype, row_invariant)
         self.exact_attention = exact_attention
+        self.row_invariant = row_invariant
         self._load(weights)
         # Head-major, so that a row's keys of one head are contiguous: attention reads them
         # as they lie (a strided view made CPU attention of one query four times slower).
@@ -257,6 +278,9 @@ class LlamaRunner:
         def matrix(name: str) -> torch.Tensor:
             return take(name, self.matmul_dtype)
 
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> _Linear:
+            return _Linear(weight, bias, self.row_invariant)
+
         def fused(*names: str, dtype: torch.dtype | None = None, required: bool = False) -> torch.Tensor | None:
             parts = [maybe(n, dtype) for n in names]
             if all(p is None for p in parts) and not required:
@@ -268,7 +292,7 @@ class LlamaRunner:
         self.embed = matrix("model.embed_tokens.weight")  # rows are gathered, then cast to dtype
         self.norm = take("model.norm.weight")
         tied = self.spec.tie_word_embeddings and "lm_head.weight" not in weights
-        self.lm_head = _Linear(self.embed if tied else matrix("lm_head.weight"))
+        self.lm_head = linear(self.embed if tied else matrix("lm_head.weight"))
         self.layers = []
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."
@@ -278,19 +302,19 @@ class LlamaRunner:
             self.layers.append(
                 _Layer(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=_Linear(
+                    qkv=linear(
                         fused(q + ".weight", k + ".weight", v + ".weight", dtype=self.matmul_dtype, required=True),
                         fused(q + ".bias", k + ".bias", v + ".bias", dtype=self.matmul_dtype),
                     ),
-                    o=_Linear(matrix(attn + "o_proj.weight"), maybe(attn + "o_proj.bias", self.matmul_dtype)),
+                    o=linear(matrix(attn + "o_proj.weight"), maybe(attn + "o_proj.bias", self.matmul_dtype)),
                     q_norm=maybe(attn + "q_norm.weight"),
                     k_norm=maybe(attn + "k_norm.weight"),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=_Linear(
+                    gate_up=linear(
                         fused(gate + ".weight", up + ".weight", dtype=self.matmul_dtype, required=True),
                         fused(gate + ".bias", up + ".bias", dtype=self.matmul_dtype),
                     ),
-                    down=_Linear(matrix(mlp + "down_proj.weight"), maybe(mlp + "down_proj.bias", self.matmul_dtype)),
+                    down=linear(matrix(mlp + "down_proj.weight"), maybe(mlp + "down_proj.bias", self.matmul_dtype)),
                 )
             )
         if self.spec.qk_norm and self.layers[0].q_norm is None:

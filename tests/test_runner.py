@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralC
 
 from specserve.backends import RunnerBackend, TransformersBackend
 from specserve.models import load_model
-from specserve.runner import LlamaRunner, _Linear
+from specserve.runner import LlamaRunner, _Linear, cpu_has_bf16
 from specserve.testing import byte_tokenizer
 
 CPU = torch.device("cpu")
@@ -117,16 +117,18 @@ def test_slots_run_out_and_come_back(model_dir):
     assert runner.allocate() == first and second is not None
 
 
-def test_float16_checkpoint_keeps_16_bit_matrices_and_stays_close(tmp_path, monkeypatch):
+def test_16_bit_checkpoint_matrices_stay_close(tmp_path, monkeypatch):
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON)).eval()
     model.half().save_pretrained(tmp_path)  # weights exactly representable in float16
     draft = LlamaRunner(str(tmp_path), CPU, torch.float32, num_slots=1, max_len=256, row_invariant=False)
     assert draft.matmul_dtype == torch.float32  # a draft this small stays in the caches: float32
     monkeypatch.setattr("specserve.runner.SMALL_MODEL_BYTES", 0)  # as if it were large
-    assert LlamaRunner(str(tmp_path), CPU, torch.float32, 1, 256, row_invariant=False).matmul_dtype != torch.float32
-    runner = LlamaRunner(str(tmp_path), CPU, torch.float32, num_slots=1, max_len=256)
-    assert runner.matmul_dtype in (torch.float16, torch.bfloat16) and runner.layers[0].input_norm.dtype == torch.float32
+    auto = torch.bfloat16 if cpu_has_bf16() else torch.float32  # see auto_matmul_dtype
+    assert LlamaRunner(str(tmp_path), CPU, torch.float32, 1, 256, row_invariant=False).matmul_dtype == auto
+    runner = LlamaRunner(str(tmp_path), CPU, torch.float32, num_slots=1, max_len=256, matmul_dtype=torch.bfloat16)
+    assert runner.layers[0].input_norm.dtype == torch.float32
+    assert LlamaRunner(str(tmp_path), CPU, torch.float32, num_slots=1, max_len=256).matmul_dtype == auto
     exact = LlamaRunner(str(tmp_path), CPU, torch.float32, num_slots=1, max_len=256, matmul_dtype=torch.float32)
     tokens = list(range(3, 40))
     half = runner.forward([runner.allocate()], [0], [tokens], [len(tokens)])[0]
@@ -136,14 +138,16 @@ def test_float16_checkpoint_keeps_16_bit_matrices_and_stays_close(tmp_path, monk
     assert torch.equal(half.argmax(-1), full.argmax(-1))
 
 
-def test_16_bit_results_do_not_depend_on_k_or_on_the_batch(tmp_path):
-    """With 16-bit matrices (row-independent kernels) and query-by-query attention, a verify
-    pass gives bitwise the logits of one-token steps, and a batched row those of the row alone:
-    greedy speculative output cannot drift from target-only output."""
+@pytest.mark.parametrize("matmul_dtype", [None, torch.float32])
+def test_results_do_not_depend_on_k_or_on_the_batch(tmp_path, matmul_dtype):
+    """With the matrices' dtype auto picks (row-independent kernels) or float32 (prepacked, a
+    lone row sent twice) and query-by-query attention, a verify pass gives bitwise the logits
+    of one-token steps, and a batched row those of the row alone: greedy speculative output
+    cannot drift from target-only output."""
     torch.manual_seed(4)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON)).eval()
     model.half().save_pretrained(tmp_path)
-    runner = LlamaRunner(str(tmp_path), CPU, torch.float32, num_slots=3, max_len=256)
+    runner = LlamaRunner(str(tmp_path), CPU, torch.float32, num_slots=3, max_len=256, matmul_dtype=matmul_dtype)
     prompt, drafts = list(range(7, 40)), [5, 9, 11, 2, 8]
     one, two, three = runner.allocate(), runner.allocate(), runner.allocate()
     for slot in (one, two, three):
@@ -165,3 +169,19 @@ def test_prepacked_matrices_multiply_as_f_linear_does():
         for b in (None, bias):
             expected = torch.nn.functional.linear(x.bfloat16(), weight, b).float()
             assert torch.equal(_Linear(weight, b)(x), expected)
+
+
+def test_float32_prepacked_products_do_not_depend_on_the_row_count():
+    """oneDNN's float32 kernel for one row rounds unlike the one for two or more: _Linear sends a
+    lone row twice, so each row's product is the same in any batch (and F.linear's to 1e-5)."""
+    torch.manual_seed(6)
+    weight, bias = torch.randn(200, 96) / 10, torch.randn(200)
+    for b in (None, bias):
+        linear = _Linear(weight, b)
+        assert linear.packed is not None or not torch.backends.mkldnn.is_available()
+        x = torch.randn(40, 96)
+        alone = torch.cat([linear(x[i : i + 1]) for i in range(len(x))])
+        for rows in (2, 3, 5, 16, 17, 40):
+            assert torch.equal(linear(x[:rows]), alone[:rows])
+            assert torch.equal(linear(x[rows - 1 : 2 * rows - 1]), alone[rows - 1 : 2 * rows - 1])
+        torch.testing.assert_close(alone, torch.nn.functional.linear(x, weight, b), atol=1e-5, rtol=1e-5)
