@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.rejection_reference import greedy_verify_reference, rejection_sample_reference
+from specserve_kernels.rejection_reference import greedy_verify_reference, rejection_sample_reference
 
 
 def rejection_sample(
@@ -19,7 +19,7 @@ def rejection_sample(
     """Returns (output_token_ids [batch, k_max + 1], num_accepted [batch]); see the reference."""
     args = (target_probs, draft_token_ids, num_draft_tokens, draft_q_ids, draft_q_probs, uniforms, exponentials)
     if target_probs.is_cuda:
-        from kernels.rejection_triton import rejection_sample_triton
+        from specserve_kernels.rejection_triton import rejection_sample_triton
 
         return rejection_sample_triton(*args)
     return rejection_sample_reference(*args)
@@ -32,7 +32,7 @@ def greedy_verify(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (output_token_ids [batch, k_max + 1], num_accepted [batch]); see the reference."""
     if target_logits.is_cuda:
-        from kernels.rejection_triton import greedy_verify_triton
+        from specserve_kernels.rejection_triton import greedy_verify_triton
 
         return greedy_verify_triton(target_logits, draft_token_ids, num_draft_tokens)
     return greedy_verify_reference(target_logits, draft_token_ids, num_draft_tokens)

@@ -1,36 +1,35 @@
-"""Our top-level `kernels` package must never make transformers think Hugging Face's
-`kernels` package is installed (transformers would then try to load hub kernels from it)."""
+"""The import name `kernels` belongs to Hugging Face's package, which transformers requires and
+imports; our Triton kernels live in kernels/ but import as `specserve_kernels`."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_transformers_does_not_take_our_kernels_package_for_hugging_faces(tiny_pair):
+def test_transformers_loads_a_model_from_the_repository_root_beside_our_kernels(tiny_pair):
+    # Run from the repository root, which `python -c` puts first on sys.path: kernels/ there must
+    # not shadow Hugging Face's package (transformers imports it while loading a model).
     target_dir, _ = tiny_pair
     script = textwrap.dedent(
         f"""
-        import importlib.util, sys
+        import importlib.util
         from pathlib import Path
-        spec = importlib.util.find_spec("kernels")
-        assert spec is not None and Path(spec.origin).parent.name == "kernels", spec  # ours is importable
+        import torch
         from transformers import AutoModelForCausalLM
-        from transformers.utils.import_utils import is_kernels_available
-        from transformers.integrations import hub_kernels
+        import specserve_kernels.rejection as ours
+        assert Path(ours.__file__).parent == Path({str(REPO_ROOT / "kernels")!r}), ours.__file__
         model = AutoModelForCausalLM.from_pretrained({str(target_dir)!r})
-        model(**{{"input_ids": __import__("torch").tensor([[1, 2, 3]])}})
-        assert not is_kernels_available(), "transformers believes hub kernels are installed"
-        assert "kernels" not in sys.modules, "transformers imported our kernels package"
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+        spec = importlib.util.find_spec("kernels")
+        theirs = spec and (spec.origin or "")
+        assert not theirs or not theirs.startswith({str(REPO_ROOT)!r}), f"`kernels` resolves to ours: {{theirs}}"
         print("ok")
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr
-
-
-def test_our_kernels_package_defines_no_version():
-    import kernels
-
-    assert not hasattr(kernels, "__version__")

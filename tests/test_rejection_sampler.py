@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from kernels.rejection_reference import greedy_verify_reference, rejection_sample_reference
+from specserve_kernels.rejection_reference import greedy_verify_reference, rejection_sample_reference
 
 VOCAB = 12
 # The Triton kernels run on CUDA where there is one, else on the CPU under TRITON_INTERPRET=1.
@@ -152,7 +152,7 @@ def _kernel_inputs(generator: torch.Generator, batch: int, k_max: int, vocab: in
     "batch,k_max,vocab,support", [(7, 4, 1500, 16), (3, 1, 257, 5), (5, 8, 2100, 33), (4, 0, 300, 1)]
 )
 def test_triton_equals_reference(batch, k_max, vocab, support):
-    from kernels.rejection_triton import greedy_verify_triton, rejection_sample_triton
+    from specserve_kernels.rejection_triton import greedy_verify_triton, rejection_sample_triton
 
     generator = torch.Generator().manual_seed(batch * 100 + k_max)
     logits, p, drafts, num_draft, q_ids, q_probs, uniforms, noise = _kernel_inputs(

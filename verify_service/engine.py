@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import greedy_verify, rejection_sample
 from specserve.backends import ForwardRow, KVSequence, forward_in_budget
 from specserve.batching import Again
 from specserve.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, require
@@ -33,6 +32,7 @@ from specserve.metrics import ServiceMetrics
 from specserve.models import LoadedModel
 from specserve.protocol import SparseDistribution, check_token_ids
 from specserve.sampling import SamplingParams, processed_probs, verify_noise
+from specserve_kernels.rejection import greedy_verify, rejection_sample
 from verify_service.config import VerifyConfig
 
 log = logging.getLogger(__name__)
