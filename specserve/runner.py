@@ -84,7 +84,7 @@ class _Linear:
     rows, oneDNN's the same for every count of two or more."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, row_invariant: bool = True):
-        self.dtype = weight.dtype
+        self.dtype, self.device, self.in_features = weight.dtype, weight.device, weight.shape[1]
         self.bias = bias
         self.packed = _prepack(weight, row_invariant)
         self.weight = weight if self.packed is None else None
@@ -238,6 +238,8 @@ class LlamaRunner:
         self.exact_attention = exact_attention
         self.row_invariant = row_invariant
         self._load(weights)
+        if row_invariant:
+            self._check_row_independence(weights, chosen=matmul_dtype is None)
         # Head-major, so that a row's keys of one head are contiguous: attention reads them
         # as they lie (a strided view made CPU attention of one query four times slower).
         shape = (num_slots, self.spec.num_kv_heads, self.max_len, self.spec.head_dim)
@@ -247,6 +249,32 @@ class LlamaRunner:
         self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.spec.num_layers)]
         self.num_slots = num_slots
         self._free_slots = list(range(num_slots - 1, -1, -1))
+
+    def _check_row_independence(self, weights: dict[str, torch.Tensor], chosen: bool) -> None:
+        """Probes the first layer's matrices and the LM head: does each row's product stay the
+        same whatever the number of rows? auto_matmul_dtype's choice rests on measurements of
+        two CPUs; where it fails here, float32 then float16 are tried, and where nothing
+        passes (or the dtype was asked for) a warning says greedy speculative output may then
+        differ from target-only output in near ties."""
+        candidates = [self.matmul_dtype]
+        if chosen and self.device.type == "cpu":
+            candidates += [d for d in (torch.float32, torch.float16) if d != self.matmul_dtype]
+        for dtype in candidates:
+            if dtype != self.matmul_dtype:
+                self.matmul_dtype = dtype
+                self._load(weights)
+            if all(_row_independent(m) for m in (self.layers[0].qkv, self.layers[0].down, self.lm_head)):
+                if dtype != candidates[0]:
+                    log.info("%s products depend on the row count on this device; matrices in %s", candidates[0], dtype)
+                return
+        log.warning(
+            "the runner's %s products depend on the row count on this %s: a row's logits can change with the "
+            "batch it shares, and greedy speculative output may differ from target-only output in near ties",
+            self.matmul_dtype, self.device.type,
+        )  # fmt: skip
+        if self.matmul_dtype != candidates[0]:
+            self.matmul_dtype = candidates[0]
+            self._load(weights)
 
     def allocate(self) -> int | None:
         """A free cache slot, zeroed, or None when all are taken."""
@@ -459,6 +487,18 @@ class LlamaRunner:
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(h).chunk(2, dim=-1)
         return layer.down(F.silu(gate) * up)
+
+
+PROBE_ROWS = (2, 3, 4, 5, 8, 16, 17, 33)
+
+
+def _row_independent(linear: _Linear) -> bool:
+    """Whether linear's product of each row is bitwise the same alone and in batches of
+    PROBE_ROWS rows, at any offset."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(max(PROBE_ROWS) + 1, linear.in_features, generator=generator).to(linear.device)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(len(x))])
+    return all(torch.equal(linear(x[o : o + n]), alone[o : o + n]) for n in PROBE_ROWS for o in (0, 1))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+import specserve.runner as runner_module
 from specserve.backends import RunnerBackend, TransformersBackend
 from specserve.models import load_model
 from specserve.runner import LlamaRunner, _Linear, cpu_has_bf16
@@ -185,3 +186,31 @@ def test_float32_prepacked_products_do_not_depend_on_the_row_count():
             assert torch.equal(linear(x[:rows]), alone[:rows])
             assert torch.equal(linear(x[rows - 1 : 2 * rows - 1]), alone[rows - 1 : 2 * rows - 1])
         torch.testing.assert_close(alone, torch.nn.functional.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+
+
+class _RowCountDependent:
+    """A product that rounds differently with the number of rows, as some kernels do."""
+
+    in_features, device = 8, CPU
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(-1, keepdim=True) + (1e-6 if len(x) > 4 else 0.0)
+
+
+def test_the_row_independence_probe_catches_a_row_count_dependent_product():
+    assert not runner_module._row_independent(_RowCountDependent())
+    assert runner_module._row_independent(_Linear(torch.randn(24, 8), row_invariant=True))
+
+
+def test_an_auto_choice_that_depends_on_the_row_count_is_replaced_or_warned_of(tmp_path, monkeypatch, caplog):
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(LlamaConfig(**COMMON)).eval().half().save_pretrained(tmp_path)
+    auto = LlamaRunner(str(tmp_path), CPU, torch.float32, 1, 256).matmul_dtype
+    probe = runner_module._row_independent
+    monkeypatch.setattr(runner_module, "_row_independent", lambda linear: linear.dtype != auto and probe(linear))
+    replaced = LlamaRunner(str(tmp_path), CPU, torch.float32, 1, 256)
+    assert replaced.matmul_dtype != auto and replaced.layers[0].qkv.dtype == replaced.matmul_dtype
+    monkeypatch.setattr(runner_module, "_row_independent", lambda linear: False)
+    with caplog.at_level(logging.WARNING, logger="specserve.runner"):
+        kept = LlamaRunner(str(tmp_path), CPU, torch.float32, 1, 256)
+    assert kept.matmul_dtype == auto and kept.lm_head.dtype == auto and "depend on the row count" in caplog.text
