@@ -5,12 +5,13 @@
 set -euo pipefail
 out="${OUT:-bench-results}/gpu"
 mkdir -p "$out"
+# The checkout runs uninstalled: kernels/ imports as specserve_kernels (pyproject.toml), here
+# through a link of that name.
+mkdir -p /tmp/site && ln -sfn "$PWD/kernels" /tmp/site/specserve_kernels
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site:$PWD"
-else
-    export PYTHONPATH="$PWD"
 fi
+export PYTHONPATH="/tmp/site:$PWD"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt"
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.__version__, torch.cuda.get_device_name())" | tee -a "$out/gpu.txt"
 # The Triton kernels against their references on real CUDA first: a wrong kernel makes the bench meaningless.
