@@ -15,6 +15,6 @@ export PYTHONPATH="/tmp/site:$PWD"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt"
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.__version__, torch.cuda.get_device_name())" | tee -a "$out/gpu.txt"
 # The Triton kernels against their references on real CUDA first: a wrong kernel makes the bench meaningless.
-python3 -m pytest -q -p no:cacheprovider tests/test_rejection_sampler.py 2>&1 | tail -3 | tee "$out/kernels.txt"
+python3 -m pytest -q -p no:cacheprovider tests/test_rejection_sampler.py tests/test_attention_kernel.py 2>&1 | tail -3 | tee "$out/kernels.txt"
 timeout 420 python3 -m specserve.cli bench --device cuda --workloads code edit --temperatures 0 0.8 --k 2 4 8 \
     --concurrency 1 16 --prompts 8 --max-tokens 128 --output "$out" 2>&1 | tail -40 | tee "$out/bench.log"

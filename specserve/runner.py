@@ -19,6 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import specserve_kernels.attention as attention_kernels
+from specserve_kernels.attention_reference import exact_attention_reference
+
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -142,7 +145,7 @@ class _BatchLayout:
     kv_len: int  # keys to read per row: max over rows of start + n
     mask: torch.Tensor | None  # [batch, 1, n_max, kv_len] bool, True = may attend; None = no mask needed
     single: tuple[int, int] | None  # (slot, start) when the batch is one row: views, no gathers
-    exact: list[tuple[int, int]] | None  # (slot, position) per token when attention runs query by query
+    exact: bool  # attention runs query by query (kernels' exact_attention)
 
 
 def auto_matmul_dtype(
@@ -236,6 +239,12 @@ class LlamaRunner:
         weights = load_safetensors(Path(directory))
         self.matmul_dtype = matmul_dtype or auto_matmul_dtype(weights, device, dtype, row_invariant)
         self.exact_attention = exact_attention
+        self._exact_attention = attention_kernels.exact_attention
+        shapes = (self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim, self.spec.sliding_window)
+        if self.device.type == "cuda" and not attention_kernels.triton_kernel_works(device, dtype, *shapes):
+            log.warning("the Triton attention kernel failed its check on this GPU: decode and verify attention run "
+                        "one SDPA call per token instead (slower, as exact)")  # fmt: skip
+            self._exact_attention = exact_attention_reference
         self.row_invariant = row_invariant
         self._load(weights)
         if row_invariant:
@@ -407,7 +416,7 @@ class LlamaRunner:
             kv_len=kv_len,
             mask=mask,
             single=(slots[0], starts[0]) if batch == 1 else None,
-            exact=[(slots[b], p) for b, p in zip(rows, positions)] if exact else None,
+            exact=exact,
         )
 
     def _rope(self, layout: _BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -438,8 +447,11 @@ class LlamaRunner:
         else:
             k_cache[layout.token_slots, :, layout.token_positions] = k  # writes the new keys: [T, kv_heads, d]
             v_cache[layout.token_slots, :, layout.token_positions] = v
-        if layout.exact is not None:
-            return layer.o(self._attention_by_query(q, k_cache, v_cache, layout.exact))
+        if layout.exact:
+            out = self._exact_attention(
+                q, k_cache, v_cache, layout.token_slots, layout.token_positions, spec.sliding_window, 1 / math.sqrt(d)
+            )  # [T, heads, d]
+            return layer.o(out.reshape(-1, heads * d))
         return layer.o(self._attention_masked(q, k_cache, v_cache, layout))
 
     def _attention_masked(self, q: torch.Tensor, k_cache, v_cache, layout: _BatchLayout) -> torch.Tensor:
@@ -462,27 +474,6 @@ class LlamaRunner:
         )  # [batch, heads, n_max, d]
         out = out.transpose(1, 2).reshape(-1, heads * d)  # [batch * n_max, heads d]
         return out if layout.single is not None else out[layout.pad_index]  # [T, heads d]
-
-    def _attention_by_query(self, q: torch.Tensor, k_cache, v_cache, tokens: list[tuple[int, int]]) -> torch.Tensor:
-        """Each query against exactly its own keys, unmasked, one call each: the very call a
-        one-token decode step makes, so a token's hidden states do not depend on how many
-        tokens its row verified at once or which rows shared the batch. A masked call over a
-        padded batch rounds differently (~1e-7), and after 16-bit matmuls that is enough to
-        flip a near-tie argmax: greedy speculative output would drift from target-only."""
-        heads, d = q.shape[1], q.shape[2]
-        window = self.spec.sliding_window
-        scale = 1 / math.sqrt(d)
-        queries = q[:, None, :, None, :]  # [T, 1, heads, 1, d]
-        outs = []
-        # 4-d operands: SDPA takes a slower path for 3-d ones (2x for one query here).
-        for t, (slot, position) in enumerate(tokens):
-            low = max(0, position + 1 - window) if window else 0
-            keys = k_cache[slot, None, :, low : position + 1]  # [1, kv_heads, keys, d], a view
-            values = v_cache[slot, None, :, low : position + 1]
-            outs.append(F.scaled_dot_product_attention(
-                queries[t], keys, values, scale=scale, enable_gqa=heads != keys.shape[1]
-            ))  # fmt: skip
-        return torch.cat(outs, dim=0).reshape(len(tokens), heads * d)  # [T, heads d]
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(h).chunk(2, dim=-1)
