@@ -3,6 +3,7 @@ imports; our Triton kernels live in kernels/ but import as `specserve_kernels`."
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 import textwrap
@@ -33,3 +34,9 @@ def test_transformers_loads_a_model_from_the_repository_root_beside_our_kernels(
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr
+
+
+def test_our_distribution_installs_no_package_named_kernels():
+    # pip would write it over Hugging Face's site-packages/kernels/.
+    top_level = importlib.metadata.distribution("specserve").read_text("top_level.txt").split()
+    assert "specserve_kernels" in top_level and "kernels" not in top_level, top_level
