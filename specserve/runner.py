@@ -246,9 +246,9 @@ class LlamaRunner:
                         "one SDPA call per token instead (slower, as exact)")  # fmt: skip
             self._exact_attention = exact_attention_reference
         self.row_invariant = row_invariant
-        self._load(weights)
         if row_invariant:
             self._check_row_independence(weights, chosen=matmul_dtype is None)
+        self._load(weights)
         # Head-major, so that a row's keys of one head are contiguous: attention reads them
         # as they lie (a strided view made CPU attention of one query four times slower).
         shape = (num_slots, self.spec.num_kv_heads, self.max_len, self.spec.head_dim)
@@ -260,30 +260,32 @@ class LlamaRunner:
         self._free_slots = list(range(num_slots - 1, -1, -1))
 
     def _check_row_independence(self, weights: dict[str, torch.Tensor], chosen: bool) -> None:
-        """Probes the first layer's matrices and the LM head: does each row's product stay the
-        same whatever the number of rows? auto_matmul_dtype's choice rests on measurements of
-        two CPUs; where it fails here, float32 then float16 are tried, and where nothing
-        passes (or the dtype was asked for) a warning says greedy speculative output may then
-        differ from target-only output in near ties."""
-        candidates = [self.matmul_dtype]
+        """Probes the first layer's matrices and the LM head, built in the chosen dtype: does
+        each row's product stay the same whatever the number of rows? auto_matmul_dtype's
+        choice rests on measurements of a few CPUs; where it fails here, float32 (and, for a
+        float16 checkpoint, float16) is tried, and where nothing passes (or the dtype was
+        asked for) a warning says greedy speculative output may then differ from target-only
+        output in near ties."""
+        first = self.matmul_dtype
+        candidates = [first]
         if chosen and self.device.type == "cpu":
-            candidates += [d for d in (torch.float32, torch.float16) if d != self.matmul_dtype]
+            checkpoint = next(iter(weights.values())).dtype
+            others = (torch.float32, torch.float16) if checkpoint == torch.float16 else (torch.float32,)
+            candidates += [d for d in others if d != first]
         for dtype in candidates:
-            if dtype != self.matmul_dtype:
-                self.matmul_dtype = dtype
-                self._load(weights)
-            if all(_row_independent(m) for m in (self.layers[0].qkv, self.layers[0].down, self.lm_head)):
-                if dtype != candidates[0]:
-                    log.info("%s products depend on the row count on this device; matrices in %s", candidates[0], dtype)
+            self.matmul_dtype = dtype
+            layer = self._layer(weights, 0)
+            probed = (layer.qkv, layer.o, layer.gate_up, layer.down, self._lm_head(weights, self._embed(weights)))
+            if all(_row_independent(m) for m in probed):
+                if dtype != first:
+                    log.info("%s products depend on the row count on this device; matrices in %s", first, dtype)
                 return
+        self.matmul_dtype = first
         log.warning(
             "the runner's %s products depend on the row count on this %s: a row's logits can change with the "
             "batch it shares, and greedy speculative output may differ from target-only output in near ties",
-            self.matmul_dtype, self.device.type,
+            first, self.device.type,
         )  # fmt: skip
-        if self.matmul_dtype != candidates[0]:
-            self.matmul_dtype = candidates[0]
-            self._load(weights)
 
     def allocate(self) -> int | None:
         """A free cache slot, zeroed, or None when all are taken."""
@@ -304,58 +306,54 @@ class LlamaRunner:
         return len(self._free_slots)
 
     def _load(self, weights: dict[str, torch.Tensor]) -> None:
-        def take(name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-            if name not in weights:
-                raise UnsupportedModel(f"checkpoint lacks {name}")
-            return weights[name].to(device=self.device, dtype=dtype or self.dtype)
-
-        def maybe(name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
-            return take(name, dtype) if name in weights else None
-
-        def matrix(name: str) -> torch.Tensor:
-            return take(name, self.matmul_dtype)
-
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> _Linear:
-            return _Linear(weight, bias, self.row_invariant)
-
-        def fused(*names: str, dtype: torch.dtype | None = None, required: bool = False) -> torch.Tensor | None:
-            parts = [maybe(n, dtype) for n in names]
-            if all(p is None for p in parts) and not required:
-                return None
-            if any(p is None for p in parts):
-                raise UnsupportedModel(f"checkpoint has only some of {', '.join(names)}")
-            return torch.cat(parts, dim=0).contiguous()
-
-        self.embed = matrix("model.embed_tokens.weight")  # rows are gathered, then cast to dtype
-        self.norm = take("model.norm.weight")
-        tied = self.spec.tie_word_embeddings and "lm_head.weight" not in weights
-        self.lm_head = linear(self.embed if tied else matrix("lm_head.weight"))
-        self.layers = []
-        for i in range(self.spec.num_layers):
-            p = f"model.layers.{i}."
-            attn, mlp = p + "self_attn.", p + "mlp."
-            q, k, v = (attn + name for name in ("q_proj", "k_proj", "v_proj"))
-            gate, up = mlp + "gate_proj", mlp + "up_proj"
-            self.layers.append(
-                _Layer(
-                    input_norm=take(p + "input_layernorm.weight"),
-                    qkv=linear(
-                        fused(q + ".weight", k + ".weight", v + ".weight", dtype=self.matmul_dtype, required=True),
-                        fused(q + ".bias", k + ".bias", v + ".bias", dtype=self.matmul_dtype),
-                    ),
-                    o=linear(matrix(attn + "o_proj.weight"), maybe(attn + "o_proj.bias", self.matmul_dtype)),
-                    q_norm=maybe(attn + "q_norm.weight"),
-                    k_norm=maybe(attn + "k_norm.weight"),
-                    post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=linear(
-                        fused(gate + ".weight", up + ".weight", dtype=self.matmul_dtype, required=True),
-                        fused(gate + ".bias", up + ".bias", dtype=self.matmul_dtype),
-                    ),
-                    down=linear(matrix(mlp + "down_proj.weight"), maybe(mlp + "down_proj.bias", self.matmul_dtype)),
-                )
-            )
+        self.embed = self._embed(weights)  # rows are gathered, then cast to dtype
+        self.norm = self._take(weights, "model.norm.weight")
+        self.lm_head = self._lm_head(weights, self.embed)
+        self.layers = [self._layer(weights, i) for i in range(self.spec.num_layers)]
         if self.spec.qk_norm and self.layers[0].q_norm is None:
             raise UnsupportedModel("a qwen3 checkpoint without q_norm weights")
+
+    def _take(self, weights: dict[str, torch.Tensor], name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if name not in weights:
+            raise UnsupportedModel(f"checkpoint lacks {name}")
+        return weights[name].to(device=self.device, dtype=dtype or self.dtype)
+
+    def _maybe(self, weights: dict[str, torch.Tensor], name: str, dtype: torch.dtype | None = None):
+        return self._take(weights, name, dtype) if name in weights else None
+
+    def _linear(self, weights: dict[str, torch.Tensor], *names: str) -> _Linear:
+        """The product with the named matrices stacked (q, k, v; gate, up), biases where the
+        checkpoint has them, in matmul_dtype."""
+        dtype = self.matmul_dtype
+        biases = [self._maybe(weights, n + ".bias", dtype) for n in names]
+        if any(b is not None for b in biases) and any(b is None for b in biases):
+            raise UnsupportedModel(f"checkpoint has only some of {', '.join(n + '.bias' for n in names)}")
+        bias = None if biases[0] is None else torch.cat(biases).contiguous()
+        matrices = [self._take(weights, n + ".weight", dtype) for n in names]
+        weight = matrices[0] if len(names) == 1 else torch.cat(matrices).contiguous()
+        return _Linear(weight, bias, self.row_invariant)
+
+    def _embed(self, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._take(weights, "model.embed_tokens.weight", self.matmul_dtype)
+
+    def _lm_head(self, weights: dict[str, torch.Tensor], embed: torch.Tensor) -> _Linear:
+        if self.spec.tie_word_embeddings and "lm_head.weight" not in weights:
+            return _Linear(embed, None, self.row_invariant)
+        return self._linear(weights, "lm_head")
+
+    def _layer(self, weights: dict[str, torch.Tensor], i: int) -> _Layer:
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        return _Layer(
+            input_norm=self._take(weights, p + "input_layernorm.weight"),
+            qkv=self._linear(weights, attn + "q_proj", attn + "k_proj", attn + "v_proj"),
+            o=self._linear(weights, attn + "o_proj"),
+            q_norm=self._maybe(weights, attn + "q_norm.weight"),
+            k_norm=self._maybe(weights, attn + "k_norm.weight"),
+            post_norm=self._take(weights, p + "post_attention_layernorm.weight"),
+            gate_up=self._linear(weights, mlp + "gate_proj", mlp + "up_proj"),
+            down=self._linear(weights, mlp + "down_proj"),
+        )
 
     @torch.inference_mode()
     def forward(
@@ -480,7 +478,7 @@ class LlamaRunner:
         return layer.down(F.silu(gate) * up)
 
 
-PROBE_ROWS = (2, 3, 4, 5, 8, 16, 17, 33)
+PROBE_ROWS = (2, 3, 4, 5, 8, 16, 17, 33, 80, 144)  # up to 16 rows x K + 1 = 9
 
 
 def _row_independent(linear: _Linear) -> bool:

@@ -214,3 +214,13 @@ def test_an_auto_choice_that_depends_on_the_row_count_is_replaced_or_warned_of(t
     with caplog.at_level(logging.WARNING, logger="specserve.runner"):
         kept = LlamaRunner(str(tmp_path), CPU, torch.float32, 1, 256)
     assert kept.matmul_dtype == auto and kept.lm_head.dtype == auto and "depend on the row count" in caplog.text
+
+
+def test_the_probe_tries_float16_only_for_a_float16_checkpoint(tmp_path, monkeypatch):
+    torch.manual_seed(8)
+    AutoModelForCausalLM.from_config(LlamaConfig(**COMMON)).eval().to(torch.bfloat16).save_pretrained(tmp_path)
+    tried = []
+    monkeypatch.setattr(runner_module, "_row_independent", lambda linear: tried.append(linear.dtype) and False)
+    runner = LlamaRunner(str(tmp_path), CPU, torch.float32, 1, 256)
+    assert torch.float32 in tried and torch.float16 not in tried
+    assert runner.matmul_dtype == tried[0] and runner.layers[1].down.dtype == tried[0]  # the first choice, kept
