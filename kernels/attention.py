@@ -35,16 +35,17 @@ def triton_kernel_works(
     """Whether the Triton kernel builds for a model of these shapes and agrees with the
     reference on this device: a runner checks it at load and falls back to the reference
     where it does not."""
-    from specserve_kernels.attention_triton import exact_attention_triton
-
     generator = torch.Generator().manual_seed(0)
-    caches = [torch.randn(2, kv_heads, 40, head_dim, generator=generator).to(device, dtype) for _ in range(2)]
+    # 200 keys: several key blocks, so the online softmax's rescaling between blocks is checked.
+    caches = [torch.randn(2, kv_heads, 200, head_dim, generator=generator).to(device, dtype) for _ in range(2)]
     q = torch.randn(5, heads, head_dim, generator=generator).to(device, dtype)
-    slots, positions = torch.tensor([0, 1, 1, 0, 1], device=device), torch.tensor([39, 0, 17, 5, 33], device=device)
+    slots, positions = torch.tensor([0, 1, 1, 0, 1], device=device), torch.tensor([199, 0, 77, 5, 150], device=device)
     scale = head_dim**-0.5
     try:
+        from specserve_kernels.attention_triton import exact_attention_triton
+
         actual = exact_attention_triton(q, *caches, slots, positions, window, scale)
-    except Exception:  # a compiler or driver error: this device cannot run the kernel
+    except Exception:  # no Triton, or a compiler or driver error: this device cannot run the kernel
         log.exception("the Triton exact-attention kernel failed on %s", device)
         return False
     expected = exact_attention_reference(q.float(), *(c.float() for c in caches), slots, positions, window, scale)
