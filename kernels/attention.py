@@ -19,13 +19,14 @@ def exact_attention(
     token_positions: torch.Tensor,  # [T] int64
     window: int | None,
     scale: float,
+    max_keys: int | None = None,  # >= every position + 1, where the caller knows it
 ) -> torch.Tensor:
     """Returns [T, heads, d]: each query against exactly its own keys; see the reference."""
     args = (q, k_cache, v_cache, token_slots, token_positions, window, scale)
     if q.is_cuda:
         from specserve_kernels.attention_triton import exact_attention_triton
 
-        return exact_attention_triton(*args)
+        return exact_attention_triton(*args, max_keys)
     return exact_attention_reference(*args)
 
 

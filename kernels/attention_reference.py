@@ -16,6 +16,7 @@ def exact_attention_reference(
     token_positions: torch.Tensor,  # [T] int64: each query's position; it sees keys up to it
     window: int | None,  # sliding window (keys within window positions), None = all
     scale: float,
+    max_keys: int | None = None,  # unused here: the Triton kernel sizes its launch by it
 ) -> torch.Tensor:
     """Returns [T, heads, d] in q's dtype. One unmasked SDPA call per query, the very call a
     one-token decode step makes: a masked call over a padded batch rounds differently

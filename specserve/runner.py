@@ -446,8 +446,10 @@ class LlamaRunner:
             k_cache[layout.token_slots, :, layout.token_positions] = k  # writes the new keys: [T, kv_heads, d]
             v_cache[layout.token_slots, :, layout.token_positions] = v
         if layout.exact:
+            slots, positions = layout.token_slots, layout.token_positions
+            scale = 1 / math.sqrt(d)
             out = self._exact_attention(
-                q, k_cache, v_cache, layout.token_slots, layout.token_positions, spec.sliding_window, 1 / math.sqrt(d)
+                q, k_cache, v_cache, slots, positions, spec.sliding_window, scale, layout.kv_len
             )  # [T, heads, d]
             return layer.o(out.reshape(-1, heads * d))
         return layer.o(self._attention_masked(q, k_cache, v_cache, layout))

@@ -42,13 +42,14 @@ def _inputs(generator, tokens, heads, kv_heads, head_dim, max_len, slots, dtype)
     "heads,kv_heads,head_dim,window",
     [(4, 2, 16, None), (4, 4, 32, 7), (6, 2, 24, None), (2, 1, 64, 100)],
 )
-def test_triton_equals_reference(heads, kv_heads, head_dim, window, dtype):
+@pytest.mark.parametrize("split_keys", [64, 256])  # 150 keys: three splits, or one
+def test_triton_equals_reference(heads, kv_heads, head_dim, window, dtype, split_keys):
     generator = torch.Generator().manual_seed(heads * 100 + head_dim)
     q, k_cache, v_cache, slots, positions = _inputs(generator, 9, heads, kv_heads, head_dim, 150, 3, dtype)
     scale = head_dim**-0.5
     expected = exact_attention_reference(q.float(), k_cache.float(), v_cache.float(), slots, positions, window, scale)
     args = (q, k_cache, v_cache, slots, positions)
-    actual = exact_attention_triton(*(t.to(DEVICE) for t in args), window, scale)
+    actual = exact_attention_triton(*(t.to(DEVICE) for t in args), window, scale, split_keys=split_keys)
     assert actual.dtype == dtype and actual.shape == (9, heads, head_dim)
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(actual.cpu().float(), expected, atol=tolerance, rtol=tolerance)
@@ -60,14 +61,17 @@ def test_a_tokens_output_does_not_depend_on_the_other_tokens_of_the_launch(dtype
     generator = torch.Generator().manual_seed(3)
     inputs = [t.to(DEVICE) for t in _inputs(generator, 12, 4, 2, 32, 130, 4, dtype)]
     q, k_cache, v_cache, slots, positions = inputs
-    together = exact_attention_triton(q, k_cache, v_cache, slots, positions, None, 0.2)
+    # 130 keys in splits of 64: tokens of one to three splits; alone, a launch has as many
+    # splits as its token needs, together as many as the longest.
+    together = exact_attention_triton(q, k_cache, v_cache, slots, positions, None, 0.2, split_keys=64)
     for t in range(len(q)):
-        alone = exact_attention_triton(
-            q[t : t + 1], k_cache, v_cache, slots[t : t + 1], positions[t : t + 1], None, 0.2
-        )
+        one = slice(t, t + 1)
+        alone = exact_attention_triton(q[one], k_cache, v_cache, slots[one], positions[one], None, 0.2, split_keys=64)
         assert torch.equal(alone[0], together[t])
     order = torch.randperm(len(q), generator=generator).to(DEVICE)
-    shuffled = exact_attention_triton(q[order], k_cache, v_cache, slots[order], positions[order], None, 0.2)
+    shuffled = exact_attention_triton(
+        q[order], k_cache, v_cache, slots[order], positions[order], None, 0.2, max_keys=500, split_keys=64
+    )
     assert torch.equal(shuffled, together[order])
 
 
