@@ -309,8 +309,8 @@ def results(rows: list[Row]) -> list[dict]:
         positions = row.accepted_per_position
         record["acceptance_by_position"] = [n / row.num_drafts for n in positions] if row.num_drafts else []
         record["batch_sizes"] = row.batch_sizes
-        if row.pipeline and row.rounds:  # the rounds whose drafts were ready: the guess held
-            record["pipelined_fraction"] = row.timings.get("pipelined_rounds", 0) / row.rounds
+        if row.pipeline:  # the rounds whose drafts were ready: the guess held
+            record["pipelined_fraction"] = row.per_round("pipelined_rounds")
         out.append(record)
     return out
 
