@@ -8,7 +8,7 @@ from draft_service.config import DraftConfig
 from draft_service.engine import Drafter
 from draft_service.servicer import SERVICE_NAME, DraftServicer
 from specserve.batching import Batcher
-from specserve.config import parse_config
+from specserve.config import parse_config, pin_to_cpus
 from specserve.grpc_server import run_service
 from specserve.logs import setup_logging
 from specserve.metrics import ServiceMetrics
@@ -19,6 +19,7 @@ from specserve.v1 import draft_pb2_grpc
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(DraftConfig, "draft", argv, "specserve draft", "Serve the draft model (DraftService).")
+    pin_to_cpus(config.cpus)  # before the service starts its threads; they inherit it
     setup_logging("draft")
     tracing = setup_tracing("specserve-draft", config.trace_console, config.trace_sample_ratio)
     # A draft need not be bitwise row-independent: verification keeps the output exact.

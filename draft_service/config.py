@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.config import TracingOptions, check, field
+from specserve.config import CPUS_HELP, TracingOptions, check, field, parse_cpus
 from specserve.paths import DEMO_DRAFT
 
 
@@ -31,6 +31,7 @@ class DraftConfig(TracingOptions):
     )
     max_model_len: int = field(4096, "longest sequence served (capped by the model's own limit); sizes the KV cache")
     max_batched_tokens: int = field(2048, "most tokens in one forward; longer prompts are prefilled in chunks")
+    cpus: str = field("", CPUS_HELP)
     threads: int = field(
         1,
         "torch CPU threads for the model (0: torch's default). One: a draft's matrices are small, and a "
@@ -67,6 +68,7 @@ class DraftConfig(TracingOptions):
         check(self.max_model_len >= 2, "max_model_len must be >= 2")
         check(self.max_batched_tokens >= 1, "max_batched_tokens must be >= 1")
         check(self.threads >= 0, "threads must be >= 0")
+        parse_cpus(self.cpus)
         check(self.max_workers > self.max_sessions, "max_workers must exceed max_sessions: each stream holds a thread")
 
     @property

@@ -95,6 +95,45 @@ def check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+CPUS_HELP = (
+    "CPU ids to pin the service to, as taskset -c takes them ('1', '0,2', '2-3'; empty: all); threads, "
+    "when 0, become one per CPU. A draft service and a verifier sharing a machine, each on cores of its "
+    "own, overlap pipelined rounds for real"
+)
+
+
+def parse_cpus(spec: str) -> frozenset[int]:
+    """CPU ids as `taskset -c` writes them ('1', '0,2', '2-3'); '' is no pinning (empty).
+    Every id must be one this process may run on."""
+    cpus: set[int] = set()
+    for part in (p.strip() for p in spec.split(",")) if spec.strip() else ():
+        low, dash, high = part.partition("-")
+        check(low.isdigit() and (not dash or high.isdigit()), f"cpus: {part!r} is not a CPU id or a range like 2-3")
+        first, last = int(low), int(high) if dash else int(low)
+        check(first <= last, f"cpus: range {part!r} runs backwards")
+        cpus.update(range(first, last + 1))
+    if cpus:
+        check(hasattr(os, "sched_setaffinity"), "cpus: this platform cannot pin a process to CPUs")
+        allowed = os.sched_getaffinity(0)
+        check(cpus <= allowed, f"cpus: {sorted(cpus - allowed)} not among this process's CPUs {sorted(allowed)}")
+    return frozenset(cpus)
+
+
+def pin_to_cpus(spec: str) -> int:
+    """Pins every thread of this process, and all it starts later, to the CPUs of spec (see
+    parse_cpus); returns how many (0: spec was empty, nothing changed)."""
+    cpus = parse_cpus(spec)
+    if not cpus:
+        return 0
+    threads = [int(tid) for tid in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+    for tid in threads:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+    return len(cpus)
+
+
 def resolve_device(device: str) -> torch.device:
     """'auto' means CUDA when present, else the CPU."""
     if device == "auto":

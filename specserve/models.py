@@ -57,11 +57,12 @@ def load_for_service(
     """Loads config.model (or model) as a service config asks (device, dtype, threads,
     backend, slots); num_layers keeps the first layers only (early exit); row_invariant=False
     for a draft (see auto_matmul_dtype)."""
-    from specserve.config import resolve_device
+    from specserve.config import parse_cpus, resolve_device
 
     device = resolve_device(config.device)
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    threads = config.threads or len(parse_cpus(config.cpus))
+    if threads:
+        torch.set_num_threads(threads)
     return load_model(
         model or config.model,
         device,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from draft_service.config import DraftConfig
 from gateway.config import GatewayConfig
-from specserve.config import parse_config
+from specserve.config import parse_config, parse_cpus
 from verify_service.config import VerifyConfig
 
 
@@ -33,3 +35,18 @@ def test_every_field_has_help():
     for config_cls in (DraftConfig, VerifyConfig, GatewayConfig):
         for f in dataclasses.fields(config_cls):
             assert f.metadata.get("help"), f"{config_cls.__name__}.{f.name} has no help text"
+
+
+def test_cpus_take_taskset_lists_and_refuse_what_this_process_cannot_use(capsys):
+    cpus = sorted(os.sched_getaffinity(0))
+    assert parse_cpus("") == frozenset()
+    assert parse_cpus(f" {cpus[0]} ") == {cpus[0]}
+    assert parse_cpus(",".join(map(str, cpus))) == set(cpus)
+    assert parse_cpus(f"{cpus[0]}-{cpus[0]}, {cpus[0]}") == {cpus[0]}
+    for bad, message in (("x", "not a CPU id"), ("3-1", "runs backwards"), ("1-", "not a CPU id"),
+                         (str(max(cpus) + 1), "not among this process's CPUs")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            parse_cpus(bad)
+    with pytest.raises(SystemExit):
+        parse_config(VerifyConfig, "verify", ["--cpus", "0-x"], "verify", "")
+    assert "cpus: '0-x'" in capsys.readouterr().err

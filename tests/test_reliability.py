@@ -19,6 +19,7 @@ from specserve.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from tests.conftest import free_port, start_stack, stop_process
 
 KEY = "test-key"
+CPUS = sorted(os.sched_getaffinity(0))
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -30,6 +31,9 @@ def guarded(tiny_pair):
         "SPECSERVE_GATEWAY_MAX_CONCURRENT_REQUESTS": "1",
         "SPECSERVE_GATEWAY_DRAFT_BACKOFF_S": "0.2",
         "SPECSERVE_VERIFY_SESSION_TTL_S": "2",
+        # Each service on a core of its own (the same one on a one-core machine).
+        "SPECSERVE_VERIFY_CPUS": str(CPUS[0]),
+        "SPECSERVE_DRAFT_CPUS": str(CPUS[-1]),
     }
     stack = start_stack(*tiny_pair, env=env, metrics_ports=(free_port(), verify_metrics))
     yield stack, verify_metrics
@@ -59,6 +63,18 @@ def slots_in_use(port: int) -> float:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     line = next(line for line in text.splitlines() if line.startswith("specserve:verifier_kv_slots_in_use "))
     return float(line.split()[1])
+
+
+def test_services_run_pinned_to_their_cpus_every_thread(guarded):
+    stack, _ = guarded
+    greedy(stack.url, 4)  # the services have started all their threads by now
+    for module, address, cpu in (
+        ("verify_service", stack.verify_address, CPUS[0]),
+        ("draft_service", stack.draft_address, CPUS[-1]),
+    ):
+        tasks = list(Path(f"/proc/{pid_of(module, address.rsplit(':', 1)[1])}/task").iterdir())
+        assert len(tasks) > 3, f"{module}: {len(tasks)} threads"
+        assert {os.sched_getaffinity(int(task.name)) == {cpu} for task in tasks} == {True}, module
 
 
 def test_api_key_is_required_everywhere_but_health(guarded):

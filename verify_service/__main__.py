@@ -7,7 +7,7 @@ import threading
 import time
 
 from specserve.batching import Batcher
-from specserve.config import parse_config
+from specserve.config import parse_config, pin_to_cpus
 from specserve.grpc_server import run_service
 from specserve.logs import setup_logging
 from specserve.metrics import ServiceMetrics
@@ -32,6 +32,7 @@ def start_sweeper(batcher: Batcher, ttl_s: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(VerifyConfig, "verify", argv, "specserve verify", "Serve the target model (VerifyService).")
+    pin_to_cpus(config.cpus)  # before the service starts its threads; they inherit it
     setup_logging("verify")
     tracing = setup_tracing("specserve-verify", config.trace_console, config.trace_sample_ratio)
     loaded = load_for_service(config)
