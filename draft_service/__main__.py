@@ -23,11 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("draft")
     tracing = setup_tracing("specserve-draft", config.trace_console, config.trace_sample_ratio)
     # A draft need not be bitwise row-independent: verification keeps the output exact.
-    models = {"draft_model": load_for_service(config, row_invariant=False)}
+    models = {"draft_model": load_for_service(config, row_invariant=False, compile_steps=config.compile_steps)}
     if config.early_exit_model:
         models["early_exit"] = load_for_service(
-            config, config.early_exit_model, config.early_exit_layers, row_invariant=False
-        )
+            config, config.early_exit_model, config.early_exit_layers, row_invariant=False,
+            compile_steps=config.compile_steps,
+        )  # fmt: skip
     loaded = models["draft_model"]
     metrics = ServiceMetrics("drafter")
     metrics.serve(config.host, config.metrics_port)

@@ -37,6 +37,11 @@ class DraftConfig(TracingOptions):
         "torch CPU threads for the model (0: torch's default). One: a draft's matrices are small, and a "
         "second thread cost more in hand-offs than it saved",
     )
+    compile_steps: bool = field(
+        True,
+        "torch.compile the draft model's one-token steps on a CPU (float32 matrices; needs a C++ compiler), "
+        "in the background after start-up: the eager forward serves until they are ready",
+    )
     max_workers: int = field(300, "gRPC worker threads (each open stream holds one)")
     metrics_port: int = field(9101, "port of the Prometheus /metrics endpoint (0: none)")
     health_port: int = field(

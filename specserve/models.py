@@ -52,11 +52,15 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def load_for_service(
-    config, model: str | None = None, num_layers: int | None = None, row_invariant: bool = True
+    config,
+    model: str | None = None,
+    num_layers: int | None = None,
+    row_invariant: bool = True,
+    compile_steps: bool = False,
 ) -> LoadedModel:
     """Loads config.model (or model) as a service config asks (device, dtype, threads,
     backend, slots); num_layers keeps the first layers only (early exit); row_invariant=False
-    for a draft (see auto_matmul_dtype)."""
+    for a draft (see auto_matmul_dtype), which may also compile_steps (see LlamaRunner)."""
     from specserve.config import parse_cpus, resolve_device
 
     device = resolve_device(config.device)
@@ -74,6 +78,7 @@ def load_for_service(
         matmul_dtype=config.matmul_dtype,
         num_layers=num_layers,
         row_invariant=row_invariant,
+        compile_steps=compile_steps,
     )
 
 
@@ -88,6 +93,7 @@ def load_model(
     matmul_dtype: str = "auto",
     num_layers: int | None = None,
     row_invariant: bool = True,
+    compile_steps: bool = False,
 ) -> LoadedModel:
     from transformers import AutoConfig
 
@@ -99,8 +105,9 @@ def load_model(
     if num_layers is not None and backend == "transformers":
         raise ValueError("early exit (num_layers) needs the runner backend")
     loaded_backend = _load_backend(
-        directory, config, device, dtype, backend, num_slots, max_model_len, matmul, num_layers, row_invariant
-    )
+        directory, config, device, dtype, backend, num_slots, max_model_len, matmul, num_layers, row_invariant,
+        compile_steps,
+    )  # fmt: skip
     log.info(
         "loaded %s with the %s backend (%s, %s%s) in %.1f s",
         directory, loaded_backend.name, device, dtype, _matmul_note(loaded_backend, dtype), time.perf_counter() - started,
@@ -135,6 +142,7 @@ def _load_backend(
     matmul_dtype,
     num_layers=None,
     row_invariant=True,
+    compile_steps=False,
 ) -> Backend:
     from specserve.runner import LlamaRunner, UnsupportedModel
 
@@ -144,7 +152,7 @@ def _load_backend(
         try:
             runner = LlamaRunner(
                 str(directory), device, dtype, num_slots, max_model_len, matmul_dtype, num_layers,
-                row_invariant=row_invariant,
+                row_invariant=row_invariant, compile_steps=compile_steps,
             )  # fmt: skip
             return RunnerBackend(runner)
         except UnsupportedModel as error:

@@ -30,6 +30,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # results that do not depend on K or on the batch; longer ones (prefill) in one masked call.
 EXACT_MAX_QUERIES = 16
 
+# Forwards of at most this many tokens a row that want only each row's last logits (a
+# draft's steps, and its catch-up after a round: the recovered token, or the last draft and
+# the bonus token) run as one-token compiled steps, where a runner has them.
+STEP_TOKENS = 2
+
 
 class UnsupportedModel(Exception):
     """The checkpoint is not one the runner knows; the transformers backend serves it."""
@@ -219,11 +224,14 @@ class LlamaRunner:
         num_layers: int | None = None,
         exact_attention: bool = True,
         row_invariant: bool = True,
+        compile_steps: bool = False,
     ):
         """dtype is what activations, norms and the KV cache use; matmul_dtype is what the
         weight matrices are kept and multiplied in (None: see auto_matmul_dtype). num_layers
         keeps only the first layers (then the final norm and LM head): an early-exit model.
-        row_invariant=False (a draft's) lets auto_matmul_dtype trade row-independence for speed."""
+        row_invariant=False (a draft's) lets auto_matmul_dtype trade row-independence for speed.
+        compile_steps (a draft's, on a CPU) starts compiling one-token steps in the background
+        (specserve/compiled_steps.py); forwards of a few tokens a row take them once ready."""
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
@@ -251,13 +259,26 @@ class LlamaRunner:
         self._load(weights)
         # Head-major, so that a row's keys of one head are contiguous: attention reads them
         # as they lie (a strided view made CPU attention of one query four times slower).
-        shape = (num_slots, self.spec.num_kv_heads, self.max_len, self.spec.head_dim)
+        # One slot more than served for the compiled steps' warm-up, never handed out.
+        shape = (num_slots + compile_steps, self.spec.num_kv_heads, self.max_len, self.spec.head_dim)
         # Uninitialised: a slot is zeroed when handed out (allocate), so on the CPU only the
         # slots ever used commit memory.
         self.k_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.spec.num_layers)]
         self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.spec.num_layers)]
         self.num_slots = num_slots
         self._free_slots = list(range(num_slots - 1, -1, -1))
+        self.compiled_steps = self._start_compiled_steps() if compile_steps else None
+
+    def _start_compiled_steps(self):
+        from specserve.compiled_steps import CompiledSteps
+
+        why_not = CompiledSteps.supported(self)
+        if why_not is not None:
+            log.info("one-token steps run eager: %s", why_not)
+            return None
+        steps = CompiledSteps(self, scratch_slot=self.num_slots)
+        steps.start()
+        return steps
 
     def _check_row_independence(self, weights: dict[str, torch.Tensor], chosen: bool) -> None:
         """Probes the first layer's matrices and the LM head, built in the chosen dtype: does
@@ -355,7 +376,6 @@ class LlamaRunner:
             down=self._linear(weights, mlp + "down_proj"),
         )
 
-    @torch.inference_mode()
     def forward(
         self, slots: list[int], starts: list[int], tokens: list[list[int]], num_logits: list[int]
     ) -> list[torch.Tensor]:
@@ -364,6 +384,31 @@ class LlamaRunner:
         counts = [len(t) for t in tokens]
         assert all(n > 0 for n in counts), "every row appends at least one token"
         assert all(s + n <= self.max_len for s, n in zip(starts, counts)), "a row runs past its cache slot"
+        steps = self.compiled_steps
+        if steps is not None and steps.ready and max(counts) <= STEP_TOKENS and set(num_logits) == {1}:
+            return self._forward_in_steps(slots, starts, tokens)
+        return self.forward_eager(slots, starts, tokens, num_logits)
+
+    @torch.inference_mode()
+    def _forward_in_steps(self, slots: list[int], starts: list[int], tokens: list[list[int]]) -> list[torch.Tensor]:
+        """forward() through the compiled one-token steps: the i-th tokens of all rows that
+        have one, then the next; each row's logits are those of its last token."""
+        out: list[torch.Tensor] = [None] * len(tokens)  # type: ignore[list-item]
+        for i in range(max(len(t) for t in tokens)):
+            rows = [b for b, t in enumerate(tokens) if len(t) > i]
+            logits = self.compiled_steps.step([slots[b] for b in rows], [starts[b] + i for b in rows],
+                                              [tokens[b][i] for b in rows])  # fmt: skip
+            for j, b in enumerate(rows):
+                if i == len(tokens[b]) - 1:
+                    out[b] = logits[j : j + 1]
+        return out
+
+    @torch.inference_mode()
+    def forward_eager(
+        self, slots: list[int], starts: list[int], tokens: list[list[int]], num_logits: list[int]
+    ) -> list[torch.Tensor]:
+        """forward() op by op."""
+        counts = [len(t) for t in tokens]
         layout = self._layout(slots, starts, counts)
         ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=self.device)  # [T]
         x = self.embed[ids].to(self.dtype)  # [T, hidden]

@@ -70,8 +70,13 @@ def up_command(
 
 
 def start_stack(
-    target_dir: Path, draft_dir: Path, env: dict[str, str] | None = None, metrics_ports: tuple[int, int] | None = None
+    target_dir: Path,
+    draft_dir: Path,
+    env: dict[str, str] | None = None,
+    metrics_ports: tuple[int, int] | None = None,
+    log_path: Path | None = None,
 ) -> Stack:
+    """The stack on free ports; log_path, where given, takes what its processes log."""
     port, draft_port, verify_port = free_port(), free_port(), free_port()
     command = up_command(target_dir, draft_dir, port, draft_port, verify_port, metrics_ports)
     # One torch thread per service: three processes share two cores, and tiny models gain
@@ -81,9 +86,12 @@ def start_stack(
         "SPECSERVE_LOG_LEVEL": os.environ.get("SPECSERVE_LOG_LEVEL", "WARNING"),
         "SPECSERVE_VERIFY_THREADS": "1",
         "SPECSERVE_DRAFT_THREADS": "1",
+        # Compiling the draft's steps costs each stack seconds of CPU; tests that want it say so.
+        "SPECSERVE_DRAFT_COMPILE_STEPS": "0",
         **(env or {}),
     }
-    process = subprocess.Popen(command, env=env)
+    log = open(log_path, "w") if log_path is not None else None  # the process writes to it
+    process = subprocess.Popen(command, env=env, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(url, process)

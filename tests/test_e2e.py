@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -78,6 +79,33 @@ def test_beyond_max_speculating_requests_rounds_run_target_only_and_stay_exact(t
         assert drafted[0] > 0 and drafted[1] < drafted[0], drafted
     finally:
         stop_process(crowded.process)
+
+
+def test_compiled_draft_steps_keep_greedy_output_while_compiling_and_after(tiny_pair, tmp_path):
+    log = tmp_path / "stack.log"
+    env = {"SPECSERVE_DRAFT_COMPILE_STEPS": "1", "SPECSERVE_LOG_LEVEL": "INFO"}
+    compiled = start_stack(*tiny_pair, env=env, log_path=log)
+    try:
+
+        def run(job):
+            prompt, method = job
+            return token_ids(compiled.url, prompt, max_tokens=40, temperature=0,
+                             speculation={"method": method, "num_speculative_tokens": 4})  # fmt: skip
+
+        jobs = [(prompt, method) for prompt in PROMPTS for method in ("none", "draft_model", "early_exit")]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            while_compiling = dict(zip(jobs, pool.map(run, jobs)))  # the eager forward serves meanwhile
+            deadline = time.monotonic() + 300
+            while log.read_text().count("compiled the draft's one-token steps") < 2:  # draft and early exit
+                assert time.monotonic() < deadline and "steps failed" not in log.read_text(), log.read_text()[-3000:]
+                time.sleep(0.5)
+            compiled_results = dict(zip(jobs, pool.map(run, jobs)))
+        for prompt in PROMPTS:
+            reference = while_compiling[(prompt, "none")]
+            for results in (while_compiling, compiled_results):
+                assert [results[(prompt, m)] for m in ("none", "draft_model", "early_exit")] == [reference] * 3
+    finally:
+        stop_process(compiled.process)
 
 
 def test_adaptive_k_and_confidence_stop_keep_greedy_output(stack):

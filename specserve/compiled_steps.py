@@ -1,0 +1,179 @@
+"""One-token forward steps of a draft model through torch.compile, on a CPU.
+
+A small draft's eager step is mostly per-op overhead: the 1.5M-parameter demo draft runs
+about a hundred small ops (norms, RoPE, attention, SwiGLU) around matrices of a few
+microseconds each. Inductor fuses them into a few C++ loops. A draft may round differently
+from its eager self, since verification keeps the output exact whatever it proposes; the
+target's runner never takes this path (its results must not depend on K or on the batch).
+
+The step takes a batch of rows, each appending one token at its own position in its own
+cache slot, and returns each row's logits. It is compiled when the service starts, in a
+thread of its own, for one row and for any number of rows and keys (torch specialises a
+size of one: that is a graph of its own); until it is ready the eager forward serves. Keys
+read are rounded up to a multiple of KEY_BLOCK.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+KEY_BLOCK = 64  # keys read per row are rounded up to a multiple of this
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = F.linear(x.to(weight.dtype), weight, bias)
+    return y.to(x.dtype)
+
+
+def _make_step(weights: dict, shape: tuple):
+    """The one-token step over the runner's weights, which it holds as constants: compiled
+    code specialised to them (only the rows and the keys read vary)."""
+    heads, kv_heads, d, eps, window = shape
+    half, scale = d // 2, 1 / math.sqrt(d)
+    embed, norm, layers = weights["embed"], weights["norm"], weights["layers"]
+
+    def step(
+        k_cache: list[torch.Tensor],  # per layer [slots, kv_heads, max_len, d]: writes the new keys
+        v_cache: list[torch.Tensor],
+        tokens: torch.Tensor,  # [B] int64
+        slots: torch.Tensor,  # [B] int64
+        positions: torch.Tensor,  # [B] int64
+        key_index: torch.Tensor,  # [L] int64 0..L-1: the keys read per row, L > every position
+    ) -> torch.Tensor:
+        """Logits [B, vocab] float32 of one token per row."""
+        batch, num_keys = tokens.shape[0], key_index.shape[0]
+        x = embed[tokens].to(norm.dtype)  # [B, hidden]
+        cos, sin = weights["cos"][positions][:, None, :], weights["sin"][positions][:, None, :]  # [B, 1, d]
+        allowed = key_index[None, :] <= positions[:, None]  # [B, L]
+        if window:
+            allowed = allowed & (key_index[None, :] > positions[:, None] - window)
+        for i, layer in enumerate(layers):
+            h = F.rms_norm(x, layer["input_norm"].shape, layer["input_norm"], eps)
+            qkv = _linear(h, layer["qkv"], layer["qkv_bias"])  # [B, (heads + 2 kv_heads) d]
+            qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
+            qk, v = qk.view(batch, heads + kv_heads, d), v.view(batch, kv_heads, d)
+            if layer["q_norm"] is not None:
+                q, k = qk.split([heads, kv_heads], dim=1)
+                q = F.rms_norm(q, layer["q_norm"].shape, layer["q_norm"], eps)
+                k = F.rms_norm(k, layer["k_norm"].shape, layer["k_norm"], eps)
+                qk = torch.cat([q, k], dim=1)
+            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
+            q, k = qk.split([heads, kv_heads], dim=1)  # [B, heads, d], [B, kv_heads, d]
+            k_cache[i][slots, :, positions] = k  # writes into the cache
+            v_cache[i][slots, :, positions] = v
+            keys = k_cache[i][slots, :, :num_keys]  # [B, kv_heads, L, d]
+            values = v_cache[i][slots, :, :num_keys]
+            grouped = q.view(batch, kv_heads, heads // kv_heads, d)  # [B, kv_heads, group, d]
+            scores = torch.einsum("bkgd,bkld->bkgl", grouped, keys) * scale
+            scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+            out = torch.einsum("bkgl,bkld->bkgd", torch.softmax(scores, dim=-1), values)  # [B, kv_heads, group, d]
+            x = x + _linear(out.reshape(batch, heads * d), layer["o"], layer["o_bias"])
+            h = F.rms_norm(x, layer["post_norm"].shape, layer["post_norm"], eps)
+            gate, up = _linear(h, layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
+            x = x + _linear(F.silu(gate) * up, layer["down"], layer["down_bias"])
+        x = F.rms_norm(x, norm.shape, norm, eps)
+        return _linear(x, weights["lm_head"], weights["lm_head_bias"]).float()  # [B, vocab]
+
+    return step
+
+
+class CompiledSteps:
+    """A runner's one-token steps through torch.compile (see the module docstring). ready
+    turns true once the compiled step has run and agreed with the eager forward."""
+
+    def __init__(self, runner, scratch_slot: int):
+        self.runner = runner
+        self.scratch_slot = scratch_slot
+        self.ready = False
+        self.failed = False
+        self.thread: threading.Thread | None = None
+        spec = runner.spec
+        shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps, spec.sliding_window or 0)
+        self._compiled = torch.compile(_make_step(_weights(runner), shape))
+
+    @staticmethod
+    def supported(runner) -> str | None:
+        """Why this runner's steps cannot be compiled, or None when they can."""
+        if runner.device.type != "cpu":
+            return "the compiled step is built for CPUs only"
+        linears = [runner.lm_head] + [
+            m for layer in runner.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
+        if any(m.weight is None for m in linears):
+            return "its matrices are prepacked for oneDNN (16-bit), which the compiled step does not take"
+        compiler = os.environ.get("CXX") or "g++"
+        if shutil.which(compiler) is None:
+            return f"torch.compile needs a C++ compiler on a CPU and {compiler} is not on PATH (set CXX)"
+        return None
+
+    def start(self) -> None:
+        """Compiles and checks in a thread of its own (self.thread); the eager forward serves
+        until then."""
+        self.thread = threading.Thread(target=self._warm_up, name="compile-steps", daemon=True)
+        self.thread.start()
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Compiles the graphs of one row and of several (on the scratch slot) and checks the
+        one-row step against the eager forward."""
+        started = time.perf_counter()
+        try:
+            runner, slot = self.runner, self.scratch_slot
+            length = min(KEY_BLOCK + 3, runner.max_len)
+            prompt = [i % runner.spec.vocab_size for i in range(1, length + 1)]
+            for cache in (*runner.k_cache, *runner.v_cache):
+                cache[slot].zero_()
+            runner.forward_eager([slot], [0], [prompt[:-1]], [1])
+            expected = runner.forward_eager([slot], [length - 1], [prompt[-1:]], [1])[0][0]
+            actual = self.step([slot], [length - 1], [prompt[-1]])[0]
+            if not torch.allclose(actual, expected, atol=1e-3, rtol=1e-3):
+                raise RuntimeError(
+                    f"compiled step differs from the eager forward by {(actual - expected).abs().max():.2e}"
+                )
+            for rows in (2, 3):  # the graph of several rows; a size specialised by mistake recompiles here
+                self.step([slot] * rows, list(range(length - rows, length)), prompt[-rows:])
+        except Exception:  # noqa: BLE001 - any compiler or toolchain failure: the eager forward serves
+            self.failed = True
+            log.exception("torch.compile of the draft's steps failed; the eager forward serves")
+            return
+        self.ready = True
+        log.info("compiled the draft's one-token steps in %.1f s", time.perf_counter() - started)
+
+    def step(self, slots: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor:
+        """Logits [len(slots), vocab] float32 of one token per row."""
+        runner = self.runner
+        num_keys = min(runner.max_len, -(-(max(positions) + 1) // KEY_BLOCK) * KEY_BLOCK)
+        inputs = [torch.tensor(values, device=runner.device) for values in (tokens, slots, positions)]
+        key_index = torch.arange(num_keys, device=runner.device)
+        for tensor in (*inputs, key_index):
+            if tensor.shape[0] > 1:  # torch specialises a size of 1: a graph of its own
+                torch._dynamo.mark_dynamic(tensor, 0)
+        return self._compiled(runner.k_cache, runner.v_cache, *inputs, key_index)
+
+
+def _weights(runner) -> dict:
+    def linear(m):
+        return m.weight, m.bias
+
+    layers = []
+    for layer in runner.layers:
+        (qkv, qkv_bias), (o, o_bias) = linear(layer.qkv), linear(layer.o)
+        (gate_up, gate_up_bias), (down, down_bias) = linear(layer.gate_up), linear(layer.down)
+        layers.append({
+            "input_norm": layer.input_norm, "post_norm": layer.post_norm, "q_norm": layer.q_norm,
+            "k_norm": layer.k_norm, "qkv": qkv, "qkv_bias": qkv_bias, "o": o, "o_bias": o_bias,
+            "gate_up": gate_up, "gate_up_bias": gate_up_bias, "down": down, "down_bias": down_bias,
+        })  # fmt: skip
+    lm_head, lm_head_bias = linear(runner.lm_head)
+    return {"embed": runner.embed, "norm": runner.norm, "lm_head": lm_head, "lm_head_bias": lm_head_bias,
+            "cos": runner._cos, "sin": runner._sin, "layers": layers}  # fmt: skip

@@ -1,0 +1,98 @@
+"""A draft's one-token steps through torch.compile: the same logits as the eager forward,
+for any rows and keys without compiling again, and the eager forward wherever they cannot run."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import specserve.compiled_steps as compiled_steps
+from specserve.runner import LlamaRunner
+from specserve.testing import byte_tokenizer
+from tests.test_runner import CONFIGS
+
+CPU = torch.device("cpu")
+
+
+def save(name: str, directory):
+    torch.manual_seed(len(name))
+    model = AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)  # peaked distributions: greedy tokens are comparable
+    model.save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def draft_runner(directory, compile_steps: bool) -> LlamaRunner:
+    return LlamaRunner(str(directory), CPU, torch.float32, 4, 256, row_invariant=False, compile_steps=compile_steps)
+
+
+# Biases and tied embeddings; GQA with a sliding window; Qwen3's q and k norms.
+@pytest.mark.parametrize("name", ["llama-tied-bias", "mistral-sliding", "qwen3"])
+def test_compiled_steps_give_the_eager_logits_without_compiling_again(name, tmp_path, monkeypatch):
+    torch._dynamo.reset()  # each runner's graphs count against torch's limit per function
+    directory = save(name, tmp_path)
+    runner, eager = draft_runner(directory, True), draft_runner(directory, False)
+    runner.compiled_steps.thread.join(timeout=600)
+    assert runner.compiled_steps.ready, "the warm-up failed: see the log"
+    with torch._dynamo.config.patch(error_on_recompile=True):  # the warm-up compiled every graph needed
+        check_against_eager(runner, eager, monkeypatch)
+
+    monkeypatch.setattr(runner.compiled_steps, "step", None)  # a call would fail now
+    slot = runner.allocate()
+    assert runner.forward([slot], [0], [[1, 2, 3]], [1])[0].shape == (1, 300)  # three tokens: eager
+    assert runner.forward([slot], [3], [[4, 5]], [2])[0].shape == (2, 300)  # two logits: eager
+
+
+def check_against_eager(runner: LlamaRunner, eager: LlamaRunner, monkeypatch) -> None:
+    stepped = []
+    step = runner.compiled_steps.step
+    monkeypatch.setattr(runner.compiled_steps, "step", lambda *args: stepped.append(args[0]) or step(*args))
+
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (n,), generator=generator).tolist() for n in (5, 70, 131)]
+    slots = [[r.allocate() for _ in prompts] for r in (runner, eager)]
+    for r, s in zip((runner, eager), slots):  # prefill: the eager forward, in both
+        r.forward(s, [0, 0, 0], prompts, [1, 1, 1])
+    starts = [len(p) for p in prompts]
+    # One row; three rows; rows of two tokens and of one (a catch-up), crossing a key block.
+    for rows, tokens in (([0], [[7]]), ([0, 1, 2], [[1], [2], [3]]), ([2, 0, 1], [[4, 5], [6], [8, 9]])):
+        outs = [r.forward([s[b] for b in rows], [starts[b] for b in rows], tokens, [1] * len(rows))
+                for r, s in zip((runner, eager), slots)]  # fmt: skip
+        for compiled, expected in zip(*outs):
+            assert compiled.shape == expected.shape == (1, 300)
+            torch.testing.assert_close(compiled, expected, atol=1e-4, rtol=1e-4)
+        for b, t in zip(rows, tokens):
+            starts[b] += len(t)
+    # Greedy steps of all three rows: the same tokens.
+    tokens = {id(r): [[0], [0], [0]] for r in (runner, eager)}
+    for _ in range(12):
+        for r, s in zip((runner, eager), slots):
+            logits = r.forward(s, starts, tokens[id(r)], [1, 1, 1])
+            tokens[id(r)] = [[int(row[-1].argmax())] for row in logits]
+        assert tokens[id(runner)] == tokens[id(eager)]
+        starts = [n + 1 for n in starts]
+    assert len(stepped) == 1 + 1 + 2 + 12  # every forward above but the prefills: the two-token rows in two steps
+
+
+def test_a_step_that_disagrees_or_cannot_compile_leaves_the_eager_forward(tmp_path, monkeypatch, caplog):
+    directory = save("llama-tied-bias", tmp_path)
+    make_step = compiled_steps._make_step
+    monkeypatch.setattr(torch, "compile", lambda fn: fn)  # no compiling: the check is what is tested
+    monkeypatch.setattr(compiled_steps, "_make_step", lambda *a: lambda *b: make_step(*a)(*b) + 1e-2)
+    with caplog.at_level(logging.ERROR, logger="specserve.compiled_steps"):
+        runner = draft_runner(directory, True)
+        runner.compiled_steps.thread.join(timeout=60)
+    assert runner.compiled_steps.failed and not runner.compiled_steps.ready
+    assert "differs from the eager forward" in caplog.text
+    slot = runner.allocate()
+    assert runner.forward([slot], [0], [[1]], [1])[0].shape == (1, 300)
+
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with caplog.at_level(logging.INFO, logger="specserve.runner"):
+        assert draft_runner(directory, True).compiled_steps is None
+    assert "no-such-compiler is not on PATH" in caplog.text
