@@ -23,8 +23,8 @@ class DraftConfig(TracingOptions):
     max_wait_ms: float = field(0.0, "how long a lone request waits for others to share its batch")
     matmul_dtype: str = field(
         "auto",
-        "dtype of the runner's weight matrices: auto (a 16-bit checkpoint on CPU: bfloat16 where the CPU has it, else float32; "
-        "float32 for a model under 16 MiB of float32 matrices, which the CPU's caches hold), or a dtype",
+        "dtype of the runner's weight matrices: auto (a 16-bit checkpoint on CPU: bfloat16 where the CPU has it, "
+        "else float32), or a dtype",
     )
     backend: str = field(
         "auto", "model backend: auto (our runner for the Llama family, else transformers), runner, transformers"
@@ -39,7 +39,7 @@ class DraftConfig(TracingOptions):
     )
     compile_steps: bool = field(
         True,
-        "torch.compile the draft model's one-token steps on a CPU (float32 matrices; needs a C++ compiler), "
+        "torch.compile the draft model's one-token steps on a CPU (needs a C++ compiler), "
         "in the background after start-up: the eager forward serves until they are ready",
     )
     max_workers: int = field(300, "gRPC worker threads (each open stream holds one)")

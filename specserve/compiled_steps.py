@@ -2,7 +2,9 @@
 
 A small draft's eager step is mostly per-op overhead: the 1.5M-parameter demo draft runs
 about a hundred small ops (norms, RoPE, attention, SwiGLU) around matrices of a few
-microseconds each. Inductor fuses them into a few C++ loops. A draft may round differently
+microseconds each. Inductor fuses them into a few C++ loops; matrices the runner prepacked
+for oneDNN (16-bit) are multiplied by oneDNN's own op, which the compiled code calls as it
+is (prepacked_linear). A draft may round differently
 from its eager self, since verification keeps the output exact whatever it proposes; the
 target's runner never takes this path (its results must not depend on K or on the batch).
 
@@ -30,8 +32,25 @@ log = logging.getLogger(__name__)
 KEY_BLOCK = 64  # keys read per row are rounded up to a multiple of this
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = F.linear(x.to(weight.dtype), weight, bias)
+@torch.library.custom_op("specserve::prepacked_linear", mutates_args=())
+def prepacked_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """The runner's product with a matrix prepacked for oneDNN (its _Linear), as one op that
+    compiled code calls as it is: inductor cannot lower oneDNN's own op."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@prepacked_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+def _linear(x: torch.Tensor, linear: tuple) -> torch.Tensor:
+    """x @ matrix.T (+ bias) in the matrix's dtype, returned in x's; linear is from _weights."""
+    matrix, bias, dtype, out_features, packed = linear
+    h = x.to(dtype)
+    y = prepacked_linear(h, matrix, bias, out_features) if packed else F.linear(h, matrix, bias)
     return y.to(x.dtype)
 
 
@@ -59,7 +78,7 @@ def _make_step(weights: dict, shape: tuple):
             allowed = allowed & (key_index[None, :] > positions[:, None] - window)
         for i, layer in enumerate(layers):
             h = F.rms_norm(x, layer["input_norm"].shape, layer["input_norm"], eps)
-            qkv = _linear(h, layer["qkv"], layer["qkv_bias"])  # [B, (heads + 2 kv_heads) d]
+            qkv = _linear(h, layer["qkv"])  # [B, (heads + 2 kv_heads) d]
             qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
             qk, v = qk.view(batch, heads + kv_heads, d), v.view(batch, kv_heads, d)
             if layer["q_norm"] is not None:
@@ -77,12 +96,12 @@ def _make_step(weights: dict, shape: tuple):
             scores = torch.einsum("bkgd,bkld->bkgl", grouped, keys) * scale
             scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
             out = torch.einsum("bkgl,bkld->bkgd", torch.softmax(scores, dim=-1), values)  # [B, kv_heads, group, d]
-            x = x + _linear(out.reshape(batch, heads * d), layer["o"], layer["o_bias"])
+            x = x + _linear(out.reshape(batch, heads * d), layer["o"])
             h = F.rms_norm(x, layer["post_norm"].shape, layer["post_norm"], eps)
-            gate, up = _linear(h, layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, layer["down"], layer["down_bias"])
+            gate, up = _linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + _linear(F.silu(gate) * up, layer["down"])
         x = F.rms_norm(x, norm.shape, norm, eps)
-        return _linear(x, weights["lm_head"], weights["lm_head_bias"]).float()  # [B, vocab]
+        return _linear(x, weights["lm_head"]).float()  # [B, vocab]
 
     return step
 
@@ -109,8 +128,8 @@ class CompiledSteps:
         linears = [runner.lm_head] + [
             m for layer in runner.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
         ]
-        if any(m.weight is None for m in linears):
-            return "its matrices are prepacked for oneDNN (16-bit), which the compiled step does not take"
+        if any(m.pad_single for m in linears):
+            return "its matrices are row-independent float32 ones (a verifier's), which the compiled step does not take"
         compiler = os.environ.get("CXX") or "g++"
         if shutil.which(compiler) is None:
             return f"torch.compile needs a C++ compiler on a CPU and {compiler} is not on PATH (set CXX)"
@@ -162,18 +181,14 @@ class CompiledSteps:
 
 
 def _weights(runner) -> dict:
-    def linear(m):
-        return m.weight, m.bias
+    def linear(m) -> tuple:
+        packed = m.packed is not None
+        return (m.packed if packed else m.weight, m.bias, m.dtype, m.out_features, packed)
 
-    layers = []
-    for layer in runner.layers:
-        (qkv, qkv_bias), (o, o_bias) = linear(layer.qkv), linear(layer.o)
-        (gate_up, gate_up_bias), (down, down_bias) = linear(layer.gate_up), linear(layer.down)
-        layers.append({
-            "input_norm": layer.input_norm, "post_norm": layer.post_norm, "q_norm": layer.q_norm,
-            "k_norm": layer.k_norm, "qkv": qkv, "qkv_bias": qkv_bias, "o": o, "o_bias": o_bias,
-            "gate_up": gate_up, "gate_up_bias": gate_up_bias, "down": down, "down_bias": down_bias,
-        })  # fmt: skip
-    lm_head, lm_head_bias = linear(runner.lm_head)
-    return {"embed": runner.embed, "norm": runner.norm, "lm_head": lm_head, "lm_head_bias": lm_head_bias,
-            "cos": runner._cos, "sin": runner._sin, "layers": layers}  # fmt: skip
+    layers = [
+        {"input_norm": layer.input_norm, "post_norm": layer.post_norm, "q_norm": layer.q_norm, "k_norm": layer.k_norm,
+         "qkv": linear(layer.qkv), "o": linear(layer.o), "gate_up": linear(layer.gate_up), "down": linear(layer.down)}
+        for layer in runner.layers
+    ]  # fmt: skip
+    return {"embed": runner.embed, "norm": runner.norm, "lm_head": linear(runner.lm_head), "cos": runner._cos,
+            "sin": runner._sin, "layers": layers}  # fmt: skip
