@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from prometheus_client import Gauge
+
 from draft_service.config import DraftConfig
 from draft_service.engine import Drafter
 from draft_service.servicer import SERVICE_NAME, DraftServicer
@@ -31,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     loaded = models["draft_model"]
     metrics = ServiceMetrics("drafter")
+    compiling = Gauge("specserve:drafter_compiling_steps", "Draft models whose compiled one-token steps are being "
+                      "built (their eager forward serves meanwhile).", registry=metrics.registry)  # fmt: skip
+    compiling.set_function(lambda: sum(m.backend.compiling for m in models.values()))
     metrics.serve(config.host, config.metrics_port)
     drafter = Drafter(models, config, metrics)
     batcher = Batcher(drafter.step, config.max_batch, config.max_wait_ms / 1000, name="drafter", own_thread=False)

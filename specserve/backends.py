@@ -47,6 +47,11 @@ class Backend(Protocol):
     @property
     def in_use(self) -> int: ...
 
+    @property
+    def compiling(self) -> bool:
+        """Whether compiled steps are still being built (the eager forward serves meanwhile)."""
+        ...
+
     def open(self) -> KVSequence: ...
 
     def close(self, sequence: KVSequence) -> None: ...
@@ -61,6 +66,11 @@ class RunnerBackend:
         self.runner = runner
         self.vocab_size = runner.spec.vocab_size
         self.max_context_length = runner.max_len
+
+    @property
+    def compiling(self) -> bool:
+        steps = self.runner.compiled_steps
+        return steps is not None and not (steps.ready or steps.failed)
 
     @property
     def in_use(self) -> int:
@@ -93,6 +103,7 @@ class TransformersBackend:
     """transformers' own forward with a DynamicCache per sequence, one row at a time."""
 
     name = "transformers"
+    compiling = False
 
     def __init__(self, model, device: torch.device, max_context_length: int, max_sequences: int):
         self.model = model

@@ -402,10 +402,10 @@ def start_stack(args, with_ports: bool = False):
             sock.bind(("127.0.0.1", 0))
             return sock.getsockname()[1]
 
-    ports = {"gateway": free(), "draft": free(), "verify": free()}
+    ports = {"gateway": free(), "draft": free(), "verify": free(), "draft_metrics": free()}
     command = [sys.executable, "-m", "specserve.cli", "up", "--port", str(ports["gateway"]),
                "--draft-port", str(ports["draft"]), "--verify-port", str(ports["verify"]),
-               "--draft-metrics-port", str(free()), "--verify-metrics-port", str(free()),
+               "--draft-metrics-port", str(ports["draft_metrics"]), "--verify-metrics-port", str(free()),
                "--target", args.target, "--draft", args.draft, "--device", args.device]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{ports['gateway']}"
@@ -415,12 +415,28 @@ def start_stack(args, with_ports: bool = False):
             raise SystemExit("the stack exited during start-up")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                wait_for_compiled_steps(ports["draft_metrics"], deadline)
                 return (process, url, ports) if with_ports else (process, url)
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     process.terminate()
     raise SystemExit("the stack did not become healthy")
+
+
+def wait_for_compiled_steps(metrics_port: int, deadline: float) -> None:
+    """Until the draft service has built its compiled steps (specserve:drafter_compiling_steps
+    is 0), which takes a core for seconds after start-up: measuring meanwhile skews every row."""
+    said = False
+    while time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2).text
+        compiling = [line for line in text.splitlines() if line.startswith("specserve:drafter_compiling_steps ")]
+        if not compiling or float(compiling[0].split()[1]) == 0:
+            return
+        if not said:
+            print("waiting for the draft service to compile its steps", file=sys.stderr)
+            said = True
+        time.sleep(1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,6 +118,11 @@ class CompiledSteps:
         self.thread: threading.Thread | None = None
         spec = runner.spec
         shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps, spec.sliding_window or 0)
+        import torch._inductor.config
+
+        # Inductor compiles in the warm-up thread, not in a pool of worker processes that
+        # would take every core from the service, which goes on serving meanwhile.
+        torch._inductor.config.compile_threads = 1
         self._compiled = torch.compile(_make_step(_weights(runner), shape))
 
     @staticmethod

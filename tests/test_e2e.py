@@ -82,9 +82,9 @@ def test_beyond_max_speculating_requests_rounds_run_target_only_and_stay_exact(t
 
 
 def test_compiled_draft_steps_keep_greedy_output_while_compiling_and_after(tiny_pair, tmp_path):
-    log = tmp_path / "stack.log"
+    log, draft_metrics = tmp_path / "stack.log", free_port()
     env = {"SPECSERVE_DRAFT_COMPILE_STEPS": "1", "SPECSERVE_LOG_LEVEL": "INFO"}
-    compiled = start_stack(*tiny_pair, env=env, log_path=log)
+    compiled = start_stack(*tiny_pair, env=env, metrics_ports=(draft_metrics, free_port()), log_path=log)
     try:
 
         def run(job):
@@ -96,9 +96,10 @@ def test_compiled_draft_steps_keep_greedy_output_while_compiling_and_after(tiny_
         with ThreadPoolExecutor(len(jobs)) as pool:
             while_compiling = dict(zip(jobs, pool.map(run, jobs)))  # the eager forward serves meanwhile
             deadline = time.monotonic() + 300
-            while log.read_text().count("compiled the draft's one-token steps") < 2:  # draft and early exit
-                assert time.monotonic() < deadline and "steps failed" not in log.read_text(), log.read_text()[-3000:]
+            while (compiling := gauge(draft_metrics, "specserve:drafter_compiling_steps")) > 0:
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
                 time.sleep(0.5)
+            assert compiling == 0 and log.read_text().count("compiled the draft's one-token steps") == 2  # both
             compiled_results = dict(zip(jobs, pool.map(run, jobs)))
         for prompt in PROMPTS:
             reference = while_compiling[(prompt, "none")]
@@ -106,6 +107,11 @@ def test_compiled_draft_steps_keep_greedy_output_while_compiling_and_after(tiny_
                 assert [results[(prompt, m)] for m in ("none", "draft_model", "early_exit")] == [reference] * 3
     finally:
         stop_process(compiled.process)
+
+
+def gauge(port: int, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
 
 
 def test_adaptive_k_and_confidence_stop_keep_greedy_output(stack):
