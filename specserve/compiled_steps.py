@@ -4,16 +4,14 @@ A small draft's eager step is mostly per-op overhead: the 1.5M-parameter demo dr
 about a hundred small ops (norms, RoPE, attention, SwiGLU) around matrices of a few
 microseconds each. Inductor fuses them into a few C++ loops; matrices the runner prepacked
 for oneDNN (16-bit) are multiplied by oneDNN's own op, which the compiled code calls as it
-is (prepacked_linear). A draft may round differently
-from its eager self, since verification keeps the output exact whatever it proposes; the
-target's runner never takes this path (its results must not depend on K or on the batch).
+is (prepacked_linear). A draft may round differently from its eager self, since
+verification keeps the output exact whatever it proposes; the target's runner never takes
+this path (its results must not depend on K or on the batch).
 
 The step takes a batch of rows, each appending one token at its own position in its own
 cache slot, and returns each row's logits. It is compiled when the service starts, in a
 thread of its own, for one row and for any number of rows and keys (torch specialises a
-size of one: that is a graph of its own); until it is ready the eager forward serves. Keys
-read are rounded up to a multiple of KEY_BLOCK.
-"""
+size of one: that is a graph of its own); until it is ready the eager forward serves."""
 
 from __future__ import annotations
 
@@ -29,7 +27,9 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-KEY_BLOCK = 64  # keys read per row are rounded up to a multiple of this
+# Keys read per row are rounded up to a multiple of this: never one key (a size torch would
+# compile another graph for, while serving).
+KEY_BLOCK = 64
 
 
 @torch.library.custom_op("specserve::prepacked_linear", mutates_args=())
