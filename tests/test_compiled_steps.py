@@ -4,6 +4,8 @@ for any rows and keys without compiling again, and the eager forward wherever th
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 
 import pytest
 import torch
@@ -15,6 +17,9 @@ from specserve.testing import byte_tokenizer
 from tests.test_runner import CONFIGS
 
 CPU = torch.device("cpu")
+needs_compiler = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX") or "g++") is None, reason="torch.compile needs a C++ compiler on a CPU"
+)
 
 
 def save(name: str, directory):
@@ -35,6 +40,7 @@ def draft_runner(directory, compile_steps: bool) -> LlamaRunner:
 
 # Biases and tied embeddings; GQA with a sliding window; Qwen3's q and k norms; Qwen2's qkv
 # biases on prepacked matrices.
+@needs_compiler
 @pytest.mark.parametrize("name", ["llama-tied-bias", "mistral-sliding", "qwen3", "qwen2-float16"])
 def test_compiled_steps_give_the_eager_logits_without_compiling_again(name, tmp_path, monkeypatch):
     torch._dynamo.reset()  # each runner's graphs count against torch's limit per function
@@ -84,6 +90,7 @@ def check_against_eager(runner: LlamaRunner, eager: LlamaRunner, monkeypatch) ->
     assert len(stepped) == 1 + 1 + 2 + 12  # every forward above but the prefills: the two-token rows in two steps
 
 
+@needs_compiler  # supported() looks for one before anything is compiled
 def test_a_step_that_disagrees_or_cannot_compile_leaves_the_eager_forward(tmp_path, monkeypatch, caplog):
     directory = save("llama-tied-bias", tmp_path)
     make_step = compiled_steps._make_step

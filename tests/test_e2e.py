@@ -14,6 +14,7 @@ from scipy import stats
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import free_port, start_stack, stop_process, up_command
+from tests.test_compiled_steps import needs_compiler
 
 PROMPTS = [
     (72, 101, 108, 108, 111),
@@ -81,6 +82,7 @@ def test_beyond_max_speculating_requests_rounds_run_target_only_and_stay_exact(t
         stop_process(crowded.process)
 
 
+@needs_compiler
 def test_compiled_draft_steps_keep_greedy_output_while_compiling_and_after(tiny_pair, tmp_path):
     log, draft_metrics = tmp_path / "stack.log", free_port()
     env = {"SPECSERVE_DRAFT_COMPILE_STEPS": "1", "SPECSERVE_LOG_LEVEL": "INFO"}
