@@ -119,19 +119,18 @@ def parse_cpus(spec: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
-def pin_to_cpus(spec: str) -> int:
+def pin_to_cpus(spec: str) -> None:
     """Pins every thread of this process, and all it starts later, to the CPUs of spec (see
-    parse_cpus); returns how many (0: spec was empty, nothing changed)."""
+    parse_cpus); an empty spec changes nothing."""
     cpus = parse_cpus(spec)
     if not cpus:
-        return 0
+        return
     threads = [int(tid) for tid in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
     for tid in threads:
         try:
             os.sched_setaffinity(tid, cpus)
         except ProcessLookupError:  # the thread ended meanwhile
             pass
-    return len(cpus)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -101,6 +101,12 @@ def start_stack(
     return Stack(url, f"127.0.0.1:{draft_port}", f"127.0.0.1:{verify_port}", target_dir, draft_dir, process)
 
 
+def metric(port: int, name: str) -> float:
+    """The value of an unlabelled metric on a service's Prometheus port."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
 def stop_process(process: subprocess.Popen, timeout_s: float = 30) -> int:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)

@@ -13,7 +13,7 @@ import torch
 from scipy import stats
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import free_port, start_stack, stop_process, up_command
+from tests.conftest import free_port, metric, start_stack, stop_process, up_command
 from tests.test_compiled_steps import needs_compiler
 
 PROMPTS = [
@@ -98,7 +98,7 @@ def test_compiled_draft_steps_keep_greedy_output_while_compiling_and_after(tiny_
         with ThreadPoolExecutor(len(jobs)) as pool:
             while_compiling = dict(zip(jobs, pool.map(run, jobs)))  # the eager forward serves meanwhile
             deadline = time.monotonic() + 300
-            while (compiling := gauge(draft_metrics, "specserve:drafter_compiling_steps")) > 0:
+            while (compiling := metric(draft_metrics, "specserve:drafter_compiling_steps")) > 0:
                 assert time.monotonic() < deadline, log.read_text()[-3000:]
                 time.sleep(0.5)
             assert compiling == 0 and log.read_text().count("compiled the draft's one-token steps") == 2  # both
@@ -109,11 +109,6 @@ def test_compiled_draft_steps_keep_greedy_output_while_compiling_and_after(tiny_
                 assert [results[(prompt, m)] for m in ("none", "draft_model", "early_exit")] == [reference] * 3
     finally:
         stop_process(compiled.process)
-
-
-def gauge(port: int, name: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
 
 
 def test_adaptive_k_and_confidence_stop_keep_greedy_output(stack):

@@ -16,7 +16,7 @@ import pytest
 
 from gateway.backends import Backends, Deadlines, DraftStream
 from specserve.v1 import common_pb2, verify_pb2, verify_pb2_grpc
-from tests.conftest import free_port, start_stack, stop_process
+from tests.conftest import free_port, metric, start_stack, stop_process
 
 KEY = "test-key"
 CPUS = sorted(os.sched_getaffinity(0))
@@ -60,9 +60,7 @@ def greedy(url: str, max_tokens: int, **extra) -> dict:
 
 
 def slots_in_use(port: int) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    line = next(line for line in text.splitlines() if line.startswith("specserve:verifier_kv_slots_in_use "))
-    return float(line.split()[1])
+    return metric(port, "specserve:verifier_kv_slots_in_use")
 
 
 def test_services_run_pinned_to_their_cpus_every_thread(guarded):
@@ -209,9 +207,7 @@ def test_a_draft_stream_whose_service_died_between_rounds_fails_as_a_draft_failu
 
 def forwards_run(port: int) -> float:
     """Batched forwards the verifier process now on port has run since it started."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    line = next(line for line in text.splitlines() if line.startswith("specserve:verifier_forward_seconds_count "))
-    return float(line.split()[1])
+    return metric(port, "specserve:verifier_forward_seconds_count")
 
 
 @pytest.mark.parametrize("method", ["draft_model", "none"])
