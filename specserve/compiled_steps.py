@@ -1,17 +1,25 @@
-"""One-token forward steps of a draft model through torch.compile, on a CPU.
+"""One-token forward steps through torch.compile, on a CPU, for drafts and targets.
 
-A small draft's eager step is mostly per-op overhead: the 1.5M-parameter demo draft runs
+A small model's eager step is mostly per-op overhead: the 1.5M-parameter demo draft runs
 about a hundred small ops (norms, RoPE, attention, SwiGLU) around matrices of a few
-microseconds each. Inductor fuses them into a few C++ loops; matrices the runner prepacked
-for oneDNN (16-bit) are multiplied by oneDNN's own op, which the compiled code calls as it
-is (prepacked_linear). A draft may round differently from its eager self, since
-verification keeps the output exact whatever it proposes; the target's runner never takes
-this path (its results must not depend on K or on the batch).
+microseconds each, and even the 14M-parameter demo target spends more of its step between
+its matrices than in them. Inductor fuses those ops into a few C++ loops; matrices the
+runner prepacked for oneDNN (16-bit) are multiplied by oneDNN's own op, which the compiled
+code calls as it is (prepacked_linear).
 
 The step takes a batch of rows, each appending one token at its own position in its own
-cache slot, and returns each row's logits. It is compiled when the service starts, in a
-thread of its own, for one row and for any number of rows and keys (torch specialises a
-size of one: that is a graph of its own); until it is ready the eager forward serves."""
+cache slot, and returns each row's logits; the new keys are written before any are read,
+so several rows of one slot at consecutive positions are a verify. Each token attends to
+its own slot's keys, those past its position masked to exact zeros, and its norms and
+products are its own: a token's logits do not depend on the rows beside it or on how many
+keys the batch reads, which a target's steps are checked for, to the bit, before they
+serve (greedy speculative output is then target-only output). A draft may round
+differently from its eager self, since verification keeps the output exact whatever it
+proposes; a target's steps are compiled before its service serves, a draft's in a thread
+of its own while the eager forward serves.
+
+Compiling covers one row and any number of rows and keys (torch specialises a size of one:
+that is a graph of its own), so nothing compiles while serving."""
 
 from __future__ import annotations
 
@@ -25,11 +33,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from specserve.runner import KEY_BLOCK
 
-# Keys read per row are rounded up to a multiple of this: never one key (a size torch would
-# compile another graph for, while serving).
-KEY_BLOCK = 64
+log = logging.getLogger(__name__)
 
 
 @torch.library.custom_op("specserve::prepacked_linear", mutates_args=())
@@ -112,6 +118,7 @@ class CompiledSteps:
 
     def __init__(self, runner, scratch_slot: int):
         self.runner = runner
+        self.role = "target" if runner.row_invariant else "draft"
         self.scratch_slot = scratch_slot
         self.ready = False
         self.failed = False
@@ -143,13 +150,15 @@ class CompiledSteps:
     def start(self) -> None:
         """Compiles and checks in a thread of its own (self.thread); the eager forward serves
         until then."""
-        self.thread = threading.Thread(target=self._warm_up, name="compile-steps", daemon=True)
+        self.thread = threading.Thread(target=self.compile, name="compile-steps", daemon=True)
         self.thread.start()
 
     @torch.inference_mode()
-    def _warm_up(self) -> None:
+    def compile(self) -> None:
         """Compiles the graphs of one row and of several (on the scratch slot) and checks the
-        one-row step against the eager forward."""
+        one-row step against the eager forward (and a target's for batch independence); ready
+        or failed once it returns."""
+        log.info("compiling the %s's one-token steps", self.role)
         started = time.perf_counter()
         try:
             runner, slot = self.runner, self.scratch_slot
@@ -164,14 +173,36 @@ class CompiledSteps:
                 raise RuntimeError(
                     f"compiled step differs from the eager forward by {(actual - expected).abs().max():.2e}"
                 )
-            for rows in (2, 3):  # the graph of several rows; a size specialised by mistake recompiles here
-                self.step([slot] * rows, list(range(length - rows, length)), prompt[-rows:])
+            # The graph of several rows (a size specialised by mistake recompiles here), and
+            # the keys of a row at the end of its slot.
+            self.step([slot] * 2, [length - 1, runner.max_len - 1], prompt[-2:])
+            self.step([slot] * 3, list(range(length - 3, length)), prompt[-3:])
+            if runner.row_invariant:
+                self._check_batch_independence(slot, prompt)
         except Exception:  # noqa: BLE001 - any compiler or toolchain failure: the eager forward serves
             self.failed = True
-            log.exception("torch.compile of the draft's steps failed; the eager forward serves")
+            log.exception("torch.compile of the %s's steps failed; the eager forward serves", self.role)
             return
         self.ready = True
-        log.info("compiled the draft's one-token steps in %.1f s", time.perf_counter() - started)
+        log.info("compiled the %s's one-token steps in %.1f s", self.role, time.perf_counter() - started)
+
+    def _check_batch_independence(self, slot: int, prompt: list[int]) -> None:
+        """A target's steps must give each token the same logits, to the bit, whether it is
+        decoded alone, verified among K + 1 tokens of its row or batched with a row that reads
+        many more keys: greedy speculative output is then target-only output. Tokens are fed
+        one at a time, then the same ones at once, then beside a row far along the slot."""
+        start = KEY_BLOCK - 2  # the third token's keys take a second block
+        tokens, positions = prompt[start : start + 3], list(range(start, start + 3))
+        alone = torch.cat([self.step([slot], [p], [t]) for p, t in zip(positions, tokens)])
+        together = self.step([slot] * 3, positions, tokens)
+        far = min(self.runner.max_len - 1, 5 * KEY_BLOCK)
+        beside = self.step([slot] * 4, [*positions, far], [*tokens, tokens[0]])[:3]
+        for name, logits in (("verified together", together), ("batched beside a longer row", beside)):
+            if not torch.equal(logits, alone):
+                raise RuntimeError(
+                    f"compiled steps give tokens {name} other logits than alone (by up to "
+                    f"{(logits - alone).abs().max():.2e}): a target's results would depend on its batch"
+                )
 
     def step(self, slots: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor:
         """Logits [len(slots), vocab] float32 of one token per row."""

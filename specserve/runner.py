@@ -35,6 +35,10 @@ EXACT_MAX_QUERIES = 16
 # the bonus token) run as one-token compiled steps, where a runner has them.
 STEP_TOKENS = 2
 
+# Keys read per row in a compiled step are rounded up to a multiple of this: never one key
+# (a size torch would compile another graph for, while serving).
+KEY_BLOCK = 64
+
 
 class UnsupportedModel(Exception):
     """The checkpoint is not one the runner knows; the transformers backend serves it."""
@@ -254,8 +258,11 @@ class LlamaRunner:
         self._load(weights)
         # Head-major, so that a row's keys of one head are contiguous: attention reads them
         # as they lie (a strided view made CPU attention of one query four times slower).
-        # One slot more than served for the compiled steps' warm-up, never handed out.
-        shape = (num_slots + compile_steps, self.spec.num_kv_heads, self.max_len, self.spec.head_dim)
+        # One slot more than served for the compiled steps' warm-up, never handed out; and a
+        # key block more than served, never written: the keys the steps read (a multiple of
+        # the block) are then never all the slot holds, a size torch would compile anew.
+        extra = KEY_BLOCK if compile_steps else 0
+        shape = (num_slots + compile_steps, self.spec.num_kv_heads, self.max_len + extra, self.spec.head_dim)
         # Uninitialised: a slot is zeroed when handed out (allocate), so on the CPU only the
         # slots ever used commit memory.
         self.k_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.spec.num_layers)]
@@ -272,7 +279,13 @@ class LlamaRunner:
             log.info("one-token steps run eager: %s", why_not)
             return None
         steps = CompiledSteps(self, scratch_slot=self.num_slots)
-        steps.start()
+        if self.row_invariant:
+            # A target's logits must not change while it serves (its greedy output, alone or
+            # verifying, is one sequence), so it compiles before serving and the eager forward
+            # serves only where compiling fails.
+            steps.compile()
+        else:
+            steps.start()
         return steps
 
     def _check_row_independence(self, weights: dict[str, torch.Tensor], chosen: bool) -> None:
@@ -380,9 +393,37 @@ class LlamaRunner:
         assert all(n > 0 for n in counts), "every row appends at least one token"
         assert all(s + n <= self.max_len for s, n in zip(starts, counts)), "a row runs past its cache slot"
         steps = self.compiled_steps
-        if steps is not None and steps.ready and max(counts) <= STEP_TOKENS and set(num_logits) == {1}:
-            return self._forward_in_steps(slots, starts, tokens)
+        if steps is not None and steps.ready:
+            if self.row_invariant:
+                return self._forward_as_token_rows(slots, starts, tokens, num_logits)
+            if max(counts) <= STEP_TOKENS and set(num_logits) == {1}:
+                return self._forward_in_steps(slots, starts, tokens)
         return self.forward_eager(slots, starts, tokens, num_logits)
+
+    @torch.inference_mode()
+    def _forward_as_token_rows(
+        self, slots: list[int], starts: list[int], tokens: list[list[int]], num_logits: list[int]
+    ) -> list[torch.Tensor]:
+        """forward() of a target with compiled steps: every token of the rows of at most
+        EXACT_MAX_QUERIES tokens (decodes, verifies, short prompts) is a row of one compiled
+        step, in which each token attends to its own slot's keys up to its own position, so
+        its results do not depend on K or on the batch; longer rows (prefills) run eager."""
+        out: list[torch.Tensor] = [None] * len(tokens)  # type: ignore[list-item]
+        short = [b for b, t in enumerate(tokens) if len(t) <= EXACT_MAX_QUERIES]
+        long = [b for b, t in enumerate(tokens) if len(t) > EXACT_MAX_QUERIES]
+        if long:
+            pick = lambda values: [values[b] for b in long]  # noqa: E731
+            for b, logits in zip(long, self.forward_eager(pick(slots), pick(starts), pick(tokens), pick(num_logits))):
+                out[b] = logits
+        if short:
+            token_slots = [slots[b] for b in short for _ in tokens[b]]
+            positions = [starts[b] + i for b in short for i in range(len(tokens[b]))]
+            logits = self.compiled_steps.step(token_slots, positions, [t for b in short for t in tokens[b]])
+            end = 0
+            for b in short:
+                end += len(tokens[b])
+                out[b] = logits[end - num_logits[b] : end]
+        return out
 
     @torch.inference_mode()
     def _forward_in_steps(self, slots: list[int], starts: list[int], tokens: list[list[int]]) -> list[torch.Tensor]:

@@ -86,8 +86,9 @@ def start_stack(
         "SPECSERVE_LOG_LEVEL": os.environ.get("SPECSERVE_LOG_LEVEL", "WARNING"),
         "SPECSERVE_VERIFY_THREADS": "1",
         "SPECSERVE_DRAFT_THREADS": "1",
-        # Compiling the draft's steps costs each stack seconds of CPU; tests that want it say so.
+        # Compiling steps costs each stack seconds of CPU; tests that want it say so.
         "SPECSERVE_DRAFT_COMPILE_STEPS": "0",
+        "SPECSERVE_VERIFY_COMPILE_STEPS": "0",
         **(env or {}),
     }
     log = open(log_path, "w") if log_path is not None else None  # the process writes to it

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import specserve.compiled_steps as compiled_steps
-from specserve.runner import LlamaRunner
+from specserve.runner import LlamaRunner, cpu_has_bf16
 from specserve.testing import byte_tokenizer
 from tests.test_runner import CONFIGS
 
@@ -108,3 +108,67 @@ def test_a_step_that_disagrees_or_cannot_compile_leaves_the_eager_forward(tmp_pa
     with caplog.at_level(logging.INFO, logger="specserve.runner"):
         assert draft_runner(directory, True).compiled_steps is None
     assert "no-such-compiler is not on PATH" in caplog.text
+
+
+def target_runner(directory, compile_steps: bool) -> LlamaRunner:
+    """A verifier's runner: row-independent products, in bfloat16 (float32 ones are not compiled)."""
+    return LlamaRunner(str(directory), CPU, torch.float32, 4, 256, torch.bfloat16, compile_steps=compile_steps)
+
+
+@needs_compiler
+@pytest.mark.skipif(not cpu_has_bf16(), reason="row-independent bfloat16 products need a CPU that has them")
+@pytest.mark.parametrize("name", ["llama-tied-bias", "qwen3"])
+def test_a_targets_compiled_steps_give_each_token_the_same_logits_in_any_batch(name, tmp_path):
+    torch._dynamo.reset()
+    directory = save(name, tmp_path)
+    runner, eager = target_runner(directory, True), target_runner(directory, False)
+    assert runner.compiled_steps.ready  # compiled before the constructor returned
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 300, (n,), generator=generator).tolist() for n in (40, 61, 150)]
+    slots = {id(r): [r.allocate() for _ in prompts] for r in (runner, eager)}
+    for r in (runner, eager):  # prefills of more than 16 tokens: eager in both
+        r.forward(slots[id(r)], [0, 0, 0], prompts, [1, 1, 1])
+
+    # Greedy decoding of row 0, one token a forward, beside rows that also decode.
+    decoded, logits_alone, tokens = [], [], [[1], [2], [3]]
+    starts = [len(p) for p in prompts]
+    for _ in range(20):
+        out = runner.forward(slots[id(runner)], starts, tokens, [1, 1, 1])
+        expected = eager.forward(slots[id(eager)], starts, tokens, [1, 1, 1])
+        for compiled, reference in zip(out, expected):
+            torch.testing.assert_close(compiled, reference, atol=5e-2, rtol=5e-2)
+        logits_alone.append(out[0][0])
+        tokens = [[int(row[0].argmax())] for row in out]
+        decoded.append(tokens[0][0])
+        starts = [n + 1 for n in starts]
+
+    # The same tokens fed again in verifies of K + 1 = 5 and 10 tokens (crossing a key block
+    # at 64), beside a prefill (eager) and a decode: every token's logits to the bit, which
+    # also takes the keys it wrote and read to be the bits written when it decoded.
+    slot, other, third = slots[id(runner)]
+    fed = [1, *decoded[:-1]]
+    for k in (5, 10):
+        for chunk in range(0, len(fed), k):
+            out = runner.forward([other, slot, third], [0, len(prompts[0]) + chunk, 10],
+                                 [prompts[1][:30], fed[chunk : chunk + k], [4]], [1, k, 1])  # fmt: skip
+            for i, logits in enumerate(out[1]):
+                assert torch.equal(logits, logits_alone[chunk + i]), (k, chunk + i)
+
+
+@needs_compiler
+def test_a_target_whose_steps_depend_on_the_batch_serves_eager(tmp_path, monkeypatch, caplog):
+    directory = save("llama-tied-bias", tmp_path)
+    make_step = compiled_steps._make_step
+    monkeypatch.setattr(torch, "compile", lambda fn: fn)  # no compiling: the check is what is tested
+
+    def batch_dependent(*args):
+        step = make_step(*args)
+        return lambda *inputs: step(*inputs) * (1 + 1e-7 * inputs[2].shape[0])  # rows change the rounding
+
+    monkeypatch.setattr(compiled_steps, "_make_step", batch_dependent)
+    with caplog.at_level(logging.ERROR, logger="specserve.compiled_steps"):
+        runner = target_runner(directory, True)
+    assert runner.compiled_steps.failed and not runner.compiled_steps.ready
+    assert "a target's results would depend on its batch" in caplog.text
+    slot = runner.allocate()
+    assert runner.forward([slot], [0], [[1]], [1])[0].shape == (1, 300)

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     pin_to_cpus(config.cpus)  # before the service starts its threads; they inherit it
     setup_logging("verify")
     tracing = setup_tracing("specserve-verify", config.trace_console, config.trace_sample_ratio)
-    loaded = load_for_service(config)
+    loaded = load_for_service(config, compile_steps=config.compile_steps)
     metrics = ServiceMetrics("verifier")
     metrics.serve(config.host, config.metrics_port)
     verifier = Verifier(loaded, config, metrics)

@@ -34,6 +34,11 @@ class VerifyConfig(TracingOptions):
     max_batched_tokens: int = field(2048, "most tokens in one forward; longer prompts are prefilled in chunks")
     cpus: str = field("", CPUS_HELP)
     threads: int = field(0, "torch CPU threads for the model (0: torch's default)")
+    compile_steps: bool = field(
+        True,
+        "torch.compile the target's decode and verify forwards on a CPU (needs a C++ compiler) before serving: "
+        "start-up takes about half a minute longer",
+    )
     max_workers: int = field(
         300, "gRPC worker threads (concurrent calls in flight; each Decode stream holds one while it lasts)"
     )
