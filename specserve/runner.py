@@ -30,11 +30,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # results that do not depend on K or on the batch; longer ones (prefill) in one masked call.
 EXACT_MAX_QUERIES = 16
 
-# Forwards of at most this many tokens a row that want only each row's last logits (a
-# draft's steps, and its catch-up after a round: the recovered token, or the last draft and
-# the bonus token) run as one-token compiled steps, where a runner has them.
-STEP_TOKENS = 2
-
 # Keys read per row in a compiled step are rounded up to a multiple of this: never one key
 # (a size torch would compile another graph for, while serving).
 KEY_BLOCK = 64
@@ -394,20 +389,18 @@ class LlamaRunner:
         assert all(s + n <= self.max_len for s, n in zip(starts, counts)), "a row runs past its cache slot"
         steps = self.compiled_steps
         if steps is not None and steps.ready:
-            if self.row_invariant:
-                return self._forward_as_token_rows(slots, starts, tokens, num_logits)
-            if max(counts) <= STEP_TOKENS and set(num_logits) == {1}:
-                return self._forward_in_steps(slots, starts, tokens)
+            return self._forward_as_token_rows(slots, starts, tokens, num_logits)
         return self.forward_eager(slots, starts, tokens, num_logits)
 
     @torch.inference_mode()
     def _forward_as_token_rows(
         self, slots: list[int], starts: list[int], tokens: list[list[int]], num_logits: list[int]
     ) -> list[torch.Tensor]:
-        """forward() of a target with compiled steps: every token of the rows of at most
-        EXACT_MAX_QUERIES tokens (decodes, verifies, short prompts) is a row of one compiled
-        step, in which each token attends to its own slot's keys up to its own position, so
-        its results do not depend on K or on the batch; longer rows (prefills) run eager."""
+        """forward() with compiled steps: every token of the rows of at most
+        EXACT_MAX_QUERIES tokens (decodes, verifies, a draft's steps and catch-ups, short
+        prompts) is a row of one compiled step, in which each token attends to its own slot's
+        keys up to its own position, so a target's results do not depend on K or on the
+        batch; longer rows (prefills) run eager."""
         out: list[torch.Tensor] = [None] * len(tokens)  # type: ignore[list-item]
         short = [b for b, t in enumerate(tokens) if len(t) <= EXACT_MAX_QUERIES]
         long = [b for b, t in enumerate(tokens) if len(t) > EXACT_MAX_QUERIES]
@@ -423,20 +416,6 @@ class LlamaRunner:
             for b in short:
                 end += len(tokens[b])
                 out[b] = logits[end - num_logits[b] : end]
-        return out
-
-    @torch.inference_mode()
-    def _forward_in_steps(self, slots: list[int], starts: list[int], tokens: list[list[int]]) -> list[torch.Tensor]:
-        """forward() through the compiled one-token steps: the i-th tokens of all rows that
-        have one, then the next; each row's logits are those of its last token."""
-        out: list[torch.Tensor] = [None] * len(tokens)  # type: ignore[list-item]
-        for i in range(max(len(t) for t in tokens)):
-            rows = [b for b, t in enumerate(tokens) if len(t) > i]
-            logits = self.compiled_steps.step([slots[b] for b in rows], [starts[b] + i for b in rows],
-                                              [tokens[b][i] for b in rows])  # fmt: skip
-            for j, b in enumerate(rows):
-                if i == len(tokens[b]) - 1:
-                    out[b] = logits[j : j + 1]
         return out
 
     @torch.inference_mode()

@@ -53,8 +53,7 @@ def test_compiled_steps_give_the_eager_logits_without_compiling_again(name, tmp_
 
     monkeypatch.setattr(runner.compiled_steps, "step", None)  # a call would fail now
     slot = runner.allocate()
-    assert runner.forward([slot], [0], [[1, 2, 3]], [1])[0].shape == (1, 300)  # three tokens: eager
-    assert runner.forward([slot], [3], [[4, 5]], [2])[0].shape == (2, 300)  # two logits: eager
+    assert runner.forward([slot], [0], [list(range(1, 18))], [2])[0].shape == (2, 300)  # 17 tokens: eager
 
 
 def check_against_eager(runner: LlamaRunner, eager: LlamaRunner, monkeypatch) -> None:
@@ -70,12 +69,14 @@ def check_against_eager(runner: LlamaRunner, eager: LlamaRunner, monkeypatch) ->
     for r, s in zip((runner, eager), slots):  # prefill: the eager forward, in both
         r.forward(s, [0, 0, 0], prompts, [1, 1, 1])
     starts = [len(p) for p in prompts]
-    # One row; three rows; rows of two tokens and of one (a catch-up), crossing a key block.
+    # One row; three rows; rows of two tokens and of one (a catch-up), crossing a key block,
+    # with the logits of every token.
     for rows, tokens in (([0], [[7]]), ([0, 1, 2], [[1], [2], [3]]), ([2, 0, 1], [[4, 5], [6], [8, 9]])):
-        outs = [r.forward([s[b] for b in rows], [starts[b] for b in rows], tokens, [1] * len(rows))
+        num_logits = [len(t) for t in tokens]
+        outs = [r.forward([s[b] for b in rows], [starts[b] for b in rows], tokens, num_logits)
                 for r, s in zip((runner, eager), slots)]  # fmt: skip
-        for compiled, expected in zip(*outs):
-            assert compiled.shape == expected.shape == (1, 300)
+        for compiled, expected, n in zip(*outs, num_logits):
+            assert compiled.shape == expected.shape == (n, 300)
             torch.testing.assert_close(compiled, expected, atol=tolerance, rtol=tolerance)
         for b, t in zip(rows, tokens):
             starts[b] += len(t)
@@ -87,7 +88,7 @@ def check_against_eager(runner: LlamaRunner, eager: LlamaRunner, monkeypatch) ->
             tokens[id(r)] = [[int(row[-1].argmax())] for row in logits]
         assert tokens[id(runner)] == tokens[id(eager)]
         starts = [n + 1 for n in starts]
-    assert len(stepped) == 1 + 1 + 2 + 12  # every forward above but the prefills: the two-token rows in two steps
+    assert len(stepped) == 1 + 1 + 1 + 1 + 12  # every forward above: the prefill's 5-token row too
 
 
 @needs_compiler  # supported() looks for one before anything is compiled
