@@ -68,7 +68,7 @@ def _make_step(weights: dict, shape: tuple):
     embed, norm, layers = weights["embed"], weights["norm"], weights["layers"]
 
     def step(
-        k_cache: list[torch.Tensor],  # per layer [slots, kv_heads, max_len, d]: writes the new keys
+        k_cache: list[torch.Tensor],  # per layer [slots, kv_heads, max_len + KEY_BLOCK, d]: writes the new keys
         v_cache: list[torch.Tensor],
         tokens: torch.Tensor,  # [B] int64
         slots: torch.Tensor,  # [B] int64
@@ -127,8 +127,8 @@ class CompiledSteps:
         shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps, spec.sliding_window or 0)
         import torch._inductor.config
 
-        # Inductor compiles in the warm-up thread, not in a pool of worker processes that
-        # would take every core from the service, which goes on serving meanwhile.
+        # Inductor compiles in the calling thread, not in a pool of worker processes that
+        # would take every core from a draft service, which goes on serving meanwhile.
         torch._inductor.config.compile_threads = 1
         self._compiled = torch.compile(_make_step(_weights(runner), shape))
 

@@ -60,7 +60,7 @@ def load_for_service(
 ) -> LoadedModel:
     """Loads config.model (or model) as a service config asks (device, dtype, threads,
     backend, slots); num_layers keeps the first layers only (early exit); row_invariant=False
-    for a draft (see auto_matmul_dtype), which may also compile_steps (see LlamaRunner)."""
+    for a draft (see auto_matmul_dtype); compile_steps builds compiled steps (see LlamaRunner)."""
     from specserve.config import parse_cpus, resolve_device
 
     device = resolve_device(config.device)

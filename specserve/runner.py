@@ -224,8 +224,9 @@ class LlamaRunner:
         keeps only the first layers (then the final norm and LM head): an early-exit model.
         row_invariant=False (a draft's) skips the check that products do not depend on the row
         count, and float32 matrices need not be prepacked for it.
-        compile_steps (a draft's, on a CPU) starts compiling one-token steps in the background
-        (specserve/compiled_steps.py); forwards of a few tokens a row take them once ready."""
+        compile_steps (on a CPU) builds one-token steps (specserve/compiled_steps.py): a
+        target's before the constructor returns, a draft's in the background; once ready,
+        rows of up to EXACT_MAX_QUERIES tokens take them."""
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(directory, local_files_only=True)

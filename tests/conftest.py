@@ -91,8 +91,10 @@ def start_stack(
         "SPECSERVE_VERIFY_COMPILE_STEPS": "0",
         **(env or {}),
     }
-    log = open(log_path, "w") if log_path is not None else None  # the process writes to it
+    log = open(log_path, "w") if log_path is not None else None
     process = subprocess.Popen(command, env=env, stderr=log)
+    if log is not None:
+        log.close()  # the process holds its own copy
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(url, process)
