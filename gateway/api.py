@@ -208,6 +208,9 @@ def plan_for(
         min_draft_probability=min_p,
         k_bounds=(defaults.adaptive_k_min, min(defaults.adaptive_k_max, served.max_speculative_tokens)),
         pipeline=defaults.pipeline if speculation.pipeline is None else speculation.pipeline,
+        # Speculative and target-only rounds draw a sampled token from different counters, so
+        # a seeded sampled request keeps its method whatever the load (DESIGN.md, invariant 4).
+        yields_to_load=request.temperature == 0 or request.seed is None,
     )
 
 

@@ -35,8 +35,9 @@ class GatewayConfig(TracingOptions):
         0,
         "speculate only while at most this many requests are being generated (0: no limit); beyond it requests "
         "decode target-only in stretches (16 tokens, doubling up to 256 while it lasts) and speculate again once "
-        "fewer run. Speculation pays while the target's pass is bound by memory traffic; on a CPU under load it "
-        "is bound by the cores (docs/benchmarks.md)",
+        "fewer run; a sampled request with a seed keeps speculating, so that its output does not depend on the "
+        "load. Speculation pays while the target's pass is bound by memory traffic; on a CPU under load it is "
+        "bound by the cores (docs/benchmarks.md)",
     )
     startup_timeout_s: float = field(300.0, "how long to wait at start for both services to answer")
     rpc_timeout_s: float = field(60.0, "deadline of each call to the verify service")

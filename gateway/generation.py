@@ -75,6 +75,7 @@ class GenerationPlan:
     min_draft_probability: float = 0.0
     k_bounds: tuple[int, int] = (1, 8)  # the adaptive schedule's range
     pipeline: bool = False  # draft round r + 1 while round r is verified
+    yields_to_load: bool = True  # decodes target-only while crowded() (a seeded sampled request does not)
 
 
 class KSchedule:
@@ -181,7 +182,10 @@ async def generate(
     """Yields each round's new verified tokens; closing the iterator ends both sessions.
     Spans (prefill, one per round) are children of parent; each round feeds metrics.
     Target-only requests decode in one Decode stream; a speculative one decodes target-only
-    stretches while its draft service is unavailable or crowded() says too many requests run."""
+    stretches while its draft service is unavailable or, where the plan yields to load,
+    crowded() says too many requests run."""
+    if not plan.yields_to_load:
+        crowded = None
     session = _Session(backends, plan, uuid.uuid4().hex)
     try:
         with span("prefill", context=parent):

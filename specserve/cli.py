@@ -29,6 +29,16 @@ SERVICE_MODULES = {"draft": "draft_service", "verify": "verify_service", "gatewa
 # Only a default: an environment that sets GOMP_SPINCOUNT (or OMP_WAIT_POLICY) keeps its own.
 SERVICE_ENVIRONMENT = {"GOMP_SPINCOUNT": "30000"}
 
+# Where the draft service, the verifier and the gateway share one machine's CPU cores, a
+# speculative round of one request takes cores from the others' rounds. On this project's
+# 2-core machine (demo pair, code, greedy, K = 4; two runs each) speculation against
+# target-only went from 0.79-0.81x, 0.64-0.66x and 0.79-0.86x at 2, 4 and 16 clients to
+# 0.93-0.94x, 0.95-1.08x and 0.88-1.07x with this limit, and stayed 1.10-1.17x at one
+# (docs/benchmarks.md). So a stack on the CPU speculates while one request runs and decodes
+# the others target-only; on a GPU the target's pass stays bound by memory traffic, and
+# batching K + 1 tokens of many requests is meant to pay under load too: no limit.
+CPU_MAX_SPECULATING_REQUESTS = 1
+
 
 def _service_environment() -> None:
     """Sets SERVICE_ENVIRONMENT's defaults for the service processes started from here."""
@@ -93,6 +103,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     up_parser.add_argument("--draft", default=str(DEMO_DRAFT), help="draft model directory (default: the demo draft)")
     up_parser.add_argument("--device", default="auto", help="torch device for both models (default auto)")
+    up_parser.add_argument(
+        "--max-speculating-requests",
+        default="auto",
+        help="the gateway speculates only while at most this many requests run, 0 always (default auto: "
+        f"{CPU_MAX_SPECULATING_REQUESTS} when the models run on the CPU, else 0)",
+    )
     up_parser.add_argument("--startup-timeout", type=float, default=300, help="seconds to wait for readiness")
     for name in SERVICE_MODULES:
         commands.add_parser(name, help=f"run only the {name} service (`specserve {name} --help`)", add_help=False)
@@ -117,11 +133,34 @@ def _commands(args: argparse.Namespace) -> dict[str, list[str]]:
         "gateway": [
             *python, "gateway", "--host", args.host, "--port", str(args.port), "--tokenizer", args.target,
             "--draft-address", f"127.0.0.1:{args.draft_port}", "--verify-address", f"127.0.0.1:{args.verify_port}",
+            *_speculation_limit(args.max_speculating_requests, args.device),
         ],
     }  # fmt: skip
 
 
+def _speculation_limit(asked: str, device: str) -> list[str]:
+    """The gateway's --max-speculating-requests flag for `up --max-speculating-requests asked`:
+    auto is CPU_MAX_SPECULATING_REQUESTS for models on the CPU, and no flag otherwise (the
+    gateway's own default, or SPECSERVE_GATEWAY_MAX_SPECULATING_REQUESTS where that is set)."""
+    if asked != "auto":
+        return ["--max-speculating-requests", asked]
+    if os.environ.get("SPECSERVE_GATEWAY_MAX_SPECULATING_REQUESTS") or not _on_cpu(device):
+        return []
+    return ["--max-speculating-requests", str(CPU_MAX_SPECULATING_REQUESTS)]
+
+
+def _on_cpu(device: str) -> bool:
+    if device != "auto":
+        return device.split(":")[0] == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def up(args: argparse.Namespace) -> int:
+    if args.max_speculating_requests != "auto" and not args.max_speculating_requests.isdigit():
+        print("specserve: --max-speculating-requests takes auto or a count (0: no limit)", file=sys.stderr)
+        return 2
     for role, path in (("target", args.target), ("draft", args.draft)):
         if not (Path(path) / "config.json").is_file():
             print(f"specserve: no {role} model at {path} (no config.json); pass --{role} DIR", file=sys.stderr)
