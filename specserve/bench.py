@@ -309,7 +309,7 @@ def results(rows: list[Row]) -> list[dict]:
         positions = row.accepted_per_position
         record["acceptance_by_position"] = [n / row.num_drafts for n in positions] if row.num_drafts else []
         record["batch_sizes"] = row.batch_sizes
-        if row.method in SPECULATIVE and row.rounds:  # the rest decoded target-only (max_speculating_requests)
+        if row.method in SPECULATIVE and row.rounds:  # the others: target-only stretches, or nothing to propose
             record["drafted_rounds"] = row.num_drafts / row.rounds
         if row.pipeline:  # the rounds whose drafts were ready: the guess held
             record["pipelined_fraction"] = row.per_round("pipelined_rounds")
