@@ -67,7 +67,9 @@ def test_a_cpu_stack_speculates_while_one_request_runs_and_stays_exact_beyond(st
     """`specserve up` on the CPU passes the gateway --max-speculating-requests 1."""
 
     def run(prompt, **body):
-        return complete(stack.url, prompt=list(prompt), max_tokens=60, return_token_ids=True, **{"temperature": 0, **body})
+        return complete(
+            stack.url, prompt=list(prompt), max_tokens=60, return_token_ids=True, **{"temperature": 0, **body}
+        )
 
     references = [run(p, speculation={"method": "none"})["choices"][0]["token_ids"] for p in PROMPTS]
     alone = [run(p) for p in PROMPTS]  # one at a time: every round speculates
