@@ -123,19 +123,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _commands(args: argparse.Namespace) -> dict[str, list[str]]:
+def _service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     python = [sys.executable, "-m"]
     return {
         "verify": [*python, "verify_service", "--model", args.target, "--port", str(args.verify_port), "--device", args.device,
                    "--metrics-port", str(args.verify_metrics_port)],
         "draft": [*python, "draft_service", "--model", args.draft, "--port", str(args.draft_port), "--device", args.device,
                   "--metrics-port", str(args.draft_metrics_port), "--early-exit-model", args.target],
-        "gateway": [
-            *python, "gateway", "--host", args.host, "--port", str(args.port), "--tokenizer", args.target,
-            "--draft-address", f"127.0.0.1:{args.draft_port}", "--verify-address", f"127.0.0.1:{args.verify_port}",
-            *_speculation_limit(args.max_speculating_requests, args.device),
-        ],
     }  # fmt: skip
+
+
+def _gateway_command(args: argparse.Namespace) -> list[str]:
+    return [
+        sys.executable, "-m", "gateway", "--host", args.host, "--port", str(args.port), "--tokenizer", args.target,
+        "--draft-address", f"127.0.0.1:{args.draft_port}", "--verify-address", f"127.0.0.1:{args.verify_port}",
+        *_speculation_limit(args.max_speculating_requests, args.device),
+    ]  # fmt: skip
 
 
 def _speculation_limit(asked: str, device: str) -> list[str]:
@@ -150,11 +153,13 @@ def _speculation_limit(asked: str, device: str) -> list[str]:
 
 
 def _on_cpu(device: str) -> bool:
-    if device != "auto":
-        return device.split(":")[0] == "cpu"
-    import torch
+    """Whether the services resolve device to the CPU (imports torch: a second or two)."""
+    from specserve.config import resolve_device
 
-    return not torch.cuda.is_available()
+    try:
+        return resolve_device(device).type == "cpu"
+    except (RuntimeError, ValueError):  # not a device, or CUDA where there is none: the services say so
+        return False
 
 
 def up(args: argparse.Namespace) -> int:
@@ -165,8 +170,11 @@ def up(args: argparse.Namespace) -> int:
         if not (Path(path) / "config.json").is_file():
             print(f"specserve: no {role} model at {path} (no config.json); pass --{role} DIR", file=sys.stderr)
             return 2
-    commands = _commands(args)
+    commands = _service_commands(args)
     processes = {name: subprocess.Popen(command) for name, command in commands.items()}
+    # Built once the services load: resolving --device for its speculation limit imports torch.
+    commands["gateway"] = _gateway_command(args)
+    processes["gateway"] = subprocess.Popen(commands["gateway"])
     stopping = {"signal": None}
 
     def request_stop(signum, _frame):

@@ -56,7 +56,7 @@ def test_up_limits_speculation_to_one_request_on_the_cpu_unless_told(monkeypatch
     from specserve import cli
 
     def gateway_flags(*argv: str) -> list[str]:
-        command = cli._commands(cli._parser().parse_args(["up", *argv]))["gateway"]
+        command = cli._gateway_command(cli._parser().parse_args(["up", *argv]))
         return command[command.index("--verify-address") + 2 :]
 
     monkeypatch.delenv("SPECSERVE_GATEWAY_MAX_SPECULATING_REQUESTS", raising=False)
