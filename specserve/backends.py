@@ -58,6 +58,10 @@ class Backend(Protocol):
 
     def forward(self, rows: list[ForwardRow]) -> list[torch.Tensor]: ...
 
+    def forward_last(self, rows: list[ForwardRow]) -> tuple[torch.Tensor, list[int]]:
+        """The logits [batch, vocab] float32 of each row's last token, and their argmax."""
+        ...
+
 
 class RunnerBackend:
     name = "runner"
@@ -97,6 +101,14 @@ class RunnerBackend:
         for row in rows:
             row.sequence.length += len(row.tokens)
         return logits
+
+    def forward_last(self, rows: list[ForwardRow]) -> tuple[torch.Tensor, list[int]]:
+        logits, argmax = self.runner.forward_last(
+            [row.sequence.slot for row in rows], [row.sequence.length for row in rows], [row.tokens for row in rows]
+        )
+        for row in rows:
+            row.sequence.length += len(row.tokens)
+        return logits, argmax
 
 
 class TransformersBackend:
@@ -139,6 +151,10 @@ class TransformersBackend:
             row.sequence.length += len(row.tokens)
             out.append(logits[-row.num_logits :].float())
         return out
+
+    def forward_last(self, rows: list[ForwardRow]) -> tuple[torch.Tensor, list[int]]:
+        logits = torch.cat([x[-1:] for x in self.forward(rows)])
+        return logits, logits.argmax(-1).tolist()
 
 
 def forward_in_budget(backend: Backend, rows: list[ForwardRow], max_batched_tokens: int) -> list[torch.Tensor]:

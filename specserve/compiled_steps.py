@@ -5,7 +5,7 @@ about a hundred small ops (norms, RoPE, attention, SwiGLU) around matrices of a 
 microseconds each, and even the 14M-parameter demo target spends more of its step between
 its matrices than in them. Inductor fuses those ops into a few C++ loops; matrices the
 runner prepacked for oneDNN (16-bit) are multiplied by oneDNN's own op, which the compiled
-code calls as it is (prepacked_linear).
+code calls as it is (see _call_onednn_linear_as_is).
 
 The step takes a batch of rows, each appending one token at its own position in its own
 cache slot, and returns each row's logits; the new keys are written before any are read,
@@ -29,6 +29,7 @@ import os
 import shutil
 import threading
 import time
+import types
 
 import torch
 import torch.nn.functional as F
@@ -38,25 +39,26 @@ from specserve.runner import KEY_BLOCK
 log = logging.getLogger(__name__)
 
 
-@torch.library.custom_op("specserve::prepacked_linear", mutates_args=())
-def prepacked_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    """The runner's product with a matrix prepacked for oneDNN (its _Linear), as one op that
-    compiled code calls as it is: inductor cannot lower oneDNN's own op."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def _call_onednn_linear_as_is() -> None:
+    """Makes inductor call oneDNN's product with a prepacked matrix (the runner's _Linear) as
+    it is, from the compiled code: its own lowering of that op takes only matrices it froze
+    itself. Wrapping the op in a custom op of ours instead cost about 17 us of Python a
+    product (9 in a demo draft's step, 25 in a demo target's). Results are bitwise the op's
+    own. Affects only this process's compiles, which are all ours."""
+    from torch._inductor import lowering
 
-
-@prepacked_linear.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
+    op = torch.ops.mkldnn._linear_pointwise.default
+    if op in lowering.fallbacks:
+        return
+    lowering.lowerings.pop(op, None)
+    lowering.make_fallback(op, warn=False)
 
 
 def _linear(x: torch.Tensor, linear: tuple) -> torch.Tensor:
     """x @ matrix.T (+ bias) in the matrix's dtype, returned in x's; linear is from _weights."""
-    matrix, bias, dtype, out_features, packed = linear
+    matrix, bias, dtype, _, packed = linear
     h = x.to(dtype)
-    y = prepacked_linear(h, matrix, bias, out_features) if packed else F.linear(h, matrix, bias)
+    y = torch.ops.mkldnn._linear_pointwise(h, matrix, bias, "none", [], "") if packed else F.linear(h, matrix, bias)
     return y.to(x.dtype)
 
 
@@ -130,7 +132,9 @@ class CompiledSteps:
         # Inductor compiles in the calling thread, not in a pool of worker processes that
         # would take every core from a draft service, which goes on serving meanwhile.
         torch._inductor.config.compile_threads = 1
-        self._compiled = torch.compile(_make_step(_weights(runner), shape))
+        _call_onednn_linear_as_is()
+        owner = f"{self.role}_{id(runner):x}"
+        self._compiled = torch.compile(_with_argmax(_make_step(_weights(runner), shape), owner))
 
     @staticmethod
     def supported(runner) -> str | None:
@@ -206,6 +210,12 @@ class CompiledSteps:
 
     def step(self, slots: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor:
         """Logits [len(slots), vocab] float32 of one token per row."""
+        return self.step_with_argmax(slots, positions, tokens)[0]
+
+    def step_with_argmax(
+        self, slots: list[int], positions: list[int], tokens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [len(slots), vocab] float32 of one token per row, and their argmax [len(slots)]."""
         runner = self.runner
         num_keys = min(runner.max_len, -(-(max(positions) + 1) // KEY_BLOCK) * KEY_BLOCK)
         inputs = [torch.tensor(values, device=runner.device) for values in (tokens, slots, positions)]
@@ -214,6 +224,23 @@ class CompiledSteps:
             if tensor.shape[0] > 1:  # torch specialises a size of 1: a graph of its own
                 torch._dynamo.mark_dynamic(tensor, 0)
         return self._compiled(runner.k_cache, runner.v_cache, *inputs, key_index)
+
+
+def _with_argmax(step, owner: str):
+    """The step, also returning each row's argmax: a greedy draft's token, or a greedy
+    decision's, computed in the compiled loops instead of by an op of its own.
+
+    The function has a code object of its own, named for owner: torch.compile keeps its
+    graphs per code object, so with one shared code a draft's and a target's steps in one
+    process (a verifier that drafts) would be recompiled as one function of dynamic weight
+    shapes (generic loops, and every call checked against the other's graphs first)."""
+
+    def step_with_argmax(*args) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = step(*args)
+        return logits, logits.argmax(-1)
+
+    code = step_with_argmax.__code__.replace(co_name=f"step_with_argmax_{owner}")
+    return types.FunctionType(code, step_with_argmax.__globals__, code.co_name, None, step_with_argmax.__closure__)
 
 
 def _weights(runner) -> dict:

@@ -10,6 +10,7 @@ what lies past it is overwritten by the next forward and masked until then.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -179,6 +180,7 @@ def auto_matmul_dtype(weights: dict[str, torch.Tensor], device: torch.device, dt
 
 
 PREPACK_ROWS = 16  # the row count oneDNN chooses a float32 matrix's blocked layout for
+SMALL_MATRIX_ENTRIES = 1 << 20  # a draft's matrices up to this size stay float32 on a CPU
 
 
 def cpu_has_bf16() -> bool:
@@ -348,8 +350,9 @@ class LlamaRunner:
 
     def _linear(self, weights: dict[str, torch.Tensor], *names: str) -> _Linear:
         """The product with the named matrices stacked (q, k, v; gate, up), biases where the
-        checkpoint has them, in matmul_dtype."""
-        dtype = self.matmul_dtype
+        checkpoint has them, in matmul_dtype (a draft's small ones, see _draft_dtype)."""
+        entries = sum(weights[n + ".weight"].numel() for n in names if n + ".weight" in weights)
+        dtype = self._draft_dtype(entries)
         biases = [self._maybe(weights, n + ".bias", dtype) for n in names]
         if any(b is not None for b in biases) and any(b is None for b in biases):
             raise UnsupportedModel(f"checkpoint has only some of {', '.join(n + '.bias' for n in names)}")
@@ -357,6 +360,15 @@ class LlamaRunner:
         matrices = [self._take(weights, n + ".weight", dtype) for n in names]
         weight = matrices[0] if len(names) == 1 else torch.cat(matrices).contiguous()
         return _Linear(weight, bias, self.row_invariant)
+
+    def _draft_dtype(self, entries: int) -> torch.dtype:
+        """A draft's matrices of at most SMALL_MATRIX_ENTRIES stay float32 on a CPU: for one
+        row MKL's float32 product of such a matrix takes a few microseconds, oneDNN's 16-bit
+        one about four times as long, all of it per-call overhead, and a draft's results need
+        not be row-independent. Larger ones (an output layer) take matmul_dtype: half the
+        bytes to stream."""
+        small = not self.row_invariant and self.device.type == "cpu" and entries <= SMALL_MATRIX_ENTRIES
+        return torch.float32 if small else self.matmul_dtype
 
     def _embed(self, weights: dict[str, torch.Tensor]) -> torch.Tensor:
         return self._take(weights, "model.embed_tokens.weight", self.matmul_dtype)
@@ -392,6 +404,25 @@ class LlamaRunner:
         if steps is not None and steps.ready:
             return self._forward_as_token_rows(slots, starts, tokens, num_logits)
         return self.forward_eager(slots, starts, tokens, num_logits)
+
+    @torch.inference_mode()
+    def forward_last(
+        self, slots: list[int], starts: list[int], tokens: list[list[int]]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """forward() for the last token of each row only, with its argmax: ([batch, vocab]
+        float32 logits, [batch] argmax), what a draft's next token needs. Through the compiled
+        steps, the argmax comes out of the step itself."""
+        steps = self.compiled_steps
+        if steps is None or not steps.ready or any(len(t) > EXACT_MAX_QUERIES for t in tokens):
+            logits = torch.cat(self.forward(slots, starts, tokens, [1] * len(tokens)))
+            return logits, logits.argmax(-1).tolist()
+        token_slots = [slot for slot, row in zip(slots, tokens) for _ in row]
+        positions = [start + i for start, row in zip(starts, tokens) for i in range(len(row))]
+        logits, argmax = steps.step_with_argmax(token_slots, positions, [t for row in tokens for t in row])
+        if len(token_slots) == len(tokens):  # one token per row: the usual draft step
+            return logits, argmax.tolist()
+        last = torch.tensor(list(itertools.accumulate(len(row) for row in tokens))) - 1
+        return logits[last], argmax[last].tolist()
 
     @torch.inference_mode()
     def _forward_as_token_rows(
