@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import sys
 
-from prometheus_client import Gauge
-
 from draft_service.config import DraftConfig
-from draft_service.engine import Drafter
 from draft_service.servicer import SERVICE_NAME, DraftServicer
 from specserve.batching import Batcher
 from specserve.config import parse_config, pin_to_cpus
+from specserve.drafting import Drafter
 from specserve.grpc_server import run_service
 from specserve.logs import setup_logging
 from specserve.metrics import ServiceMetrics
@@ -33,11 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     loaded = models["draft_model"]
     metrics = ServiceMetrics("drafter")
-    compiling = Gauge("specserve:drafter_compiling_steps", "Draft models whose compiled one-token steps are being "
-                      "built (their eager forward serves meanwhile).", registry=metrics.registry)  # fmt: skip
-    compiling.set_function(lambda: sum(m.backend.compiling for m in models.values()))
+    metrics.count_compiling(models)
     metrics.serve(config.host, config.metrics_port)
-    drafter = Drafter(models, config, metrics)
+    drafter = Drafter(models, config.drafting(loaded), metrics)
     batcher = Batcher(drafter.step, config.max_batch, config.max_wait_ms / 1000, name="drafter", own_thread=False)
     servicer = DraftServicer(drafter, batcher, loaded, config, metrics)
     register = lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)  # noqa: E731

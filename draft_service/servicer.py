@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from opentelemetry.trace import SpanKind
 
 from draft_service.config import DraftConfig
-from draft_service.engine import Drafter, DraftJob, Proposal
 from specserve.batching import Batcher
+from specserve.drafting import Drafter, DraftJob, Proposal
 from specserve.metrics import ServiceMetrics
 from specserve.models import LoadedModel
 from specserve.protocol import model_info

@@ -29,15 +29,20 @@ def main(argv: list[str] | None = None) -> int:
         target = wait_for_model_info(
             config.verify_address, verify_pb2_grpc.VerifyServiceStub, config.startup_timeout_s, security
         )
-        draft = wait_for_model_info(
-            config.draft_address, draft_pb2_grpc.DraftServiceStub, config.startup_timeout_s, security
-        )
+        draft = None
+        if config.draft_address:
+            draft = wait_for_model_info(
+                config.draft_address, draft_pb2_grpc.DraftServiceStub, config.startup_timeout_s, security
+            )
         check_pair(target, draft, tokenizer_fingerprint(tokenizer))
     except (IncompatibleModels, TimeoutError, ValueError) as error:
         log.error("refusing to start: %s", error)
         return 2
     served = served_model(target, draft, config.served_model_name)
-    log.info("serving %s (draft %s) on http://%s:%d", served.name, draft.model_name, config.host, config.port)
+    drafts = [f"{', '.join(sorted(served.local_methods)) or 'none'} in the verifier"]
+    if draft is not None:
+        drafts.append(f"{', '.join(sorted(served.remote_methods))} from the draft service ({draft.model_name})")
+    log.info("serving %s on http://%s:%d; drafts: %s", served.name, config.host, config.port, "; ".join(drafts))
     app = create_app(config, served, tokenizer)
     https = {"ssl_certfile": config.http_tls_cert, "ssl_keyfile": config.http_tls_key} if config.http_tls_cert else {}
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=10, **https)

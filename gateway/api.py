@@ -198,20 +198,42 @@ def plan_for(
     )
     if not 0 <= min_p <= 1:
         raise bad_request("speculation.min_draft_probability must lie in [0, 1]", "speculation.min_draft_probability")
+    method = _method(speculation.method, defaults.method, served)
+    # A sampled request with a seed must give the same output whatever else runs (DESIGN.md,
+    # invariant 4), and its keyed randomness reproduces it only for the same rounds: it keeps
+    # its method whatever the load, and a K that no timing chooses.
+    seeded_sampled = request.temperature != 0 and request.seed is not None
+    adaptive = defaults.adaptive if speculation.adaptive is None else speculation.adaptive
     return GenerationPlan(
         prompt_token_ids=prompt_token_ids,
         max_tokens=max_tokens,
         sampling=sampling_for(request),
-        method=speculation.method or defaults.method,
+        method=method,
         num_speculative_tokens=min(k, served.max_speculative_tokens),
-        adaptive=defaults.adaptive if speculation.adaptive is None else speculation.adaptive,
+        adaptive=adaptive and not seeded_sampled,
         min_draft_probability=min_p,
-        k_bounds=(defaults.adaptive_k_min, min(defaults.adaptive_k_max, served.max_speculative_tokens)),
+        k_bounds=(
+            min(defaults.adaptive_k_min, served.max_speculative_tokens),
+            min(defaults.adaptive_k_max, served.max_speculative_tokens),
+        ),  # fmt: skip
+        local=method in served.local_methods,
         pipeline=defaults.pipeline if speculation.pipeline is None else speculation.pipeline,
-        # Speculative and target-only rounds draw a sampled token from different counters, so
-        # a seeded sampled request keeps its method whatever the load (DESIGN.md, invariant 4).
-        yields_to_load=request.temperature == 0 or request.seed is None,
+        yields_to_load=not seeded_sampled,
     )
+
+
+def _method(asked: str | None, default: str, served: ServedModel) -> str:
+    """The request's speculation method: asked, or the gateway's default where the pair
+    serves it (target-only where it does not)."""
+    available = served.local_methods | served.remote_methods | {"none"}
+    if asked is None:
+        return default if default in available else "none"
+    if asked not in available:
+        raise bad_request(
+            f"speculation.method {asked!r} is not served here; available: {', '.join(sorted(available))}",
+            "speculation.method",
+        )
+    return asked
 
 
 def _max_tokens(request: _GenerationRequest, room: int) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specserve.speculation import Shared
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2_grpc
 
 
@@ -25,6 +26,8 @@ class ServedModel:
     max_context_length: int
     eos_token_ids: frozenset[int]
     max_speculative_tokens: int
+    local_methods: frozenset[str] = frozenset()  # drafted by the verifier itself (colocated)
+    remote_methods: frozenset[str] = frozenset()  # drafted by the draft service
 
 
 # Spread calls (and draft streams) over every address a name resolves to: behind a headless
@@ -58,8 +61,9 @@ def wait_for_model_info(address: str, stub_cls, timeout_s: float, security: tupl
                 time.sleep(0.5)
 
 
-def check_pair(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo, gateway_fingerprint: str) -> None:
-    if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
+def check_pair(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | None, gateway_fingerprint: str) -> None:
+    """draft: the draft service's model, None without a draft service."""
+    if draft is not None and draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
         raise IncompatibleModels(
             f"the draft model {draft.model_name!r} and the target model {target.model_name!r} have different "
             f"vocabularies (tokenizer fingerprints {draft.tokenizer_fingerprint} and {target.tokenizer_fingerprint}); "
@@ -72,13 +76,24 @@ def check_pair(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo, gatewa
         )
 
 
-def served_model(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo, name: str) -> ServedModel:
+REMOTE_METHODS = frozenset({"draft_model", "early_exit", "ngram"})
+
+
+def served_model(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | None, name: str) -> ServedModel:
+    """What the pair serves; draft is None without a draft service (the verifier's own
+    drafting only)."""
+    local = frozenset(target.local_methods)
+    max_k = target.max_speculative_tokens
+    if draft is not None:
+        max_k = min(max_k, draft.max_speculative_tokens)
     return ServedModel(
         name=name or target.model_name,
         vocab_size=target.vocab_size,
         max_context_length=target.max_context_length,
         eos_token_ids=frozenset(target.eos_token_ids),
-        max_speculative_tokens=min(target.max_speculative_tokens, draft.max_speculative_tokens),
+        max_speculative_tokens=max_k,
+        local_methods=local,
+        remote_methods=REMOTE_METHODS - local if draft is not None else frozenset(),
     )
 
 
@@ -97,16 +112,18 @@ class Backends:
     """Async stubs of both services, opened inside the gateway's event loop."""
 
     def __init__(self, draft_address: str, verify_address: str, deadlines: Deadlines, security: tuple = (None, [])):
+        """draft_address empty: no draft service (the verifier drafts for itself)."""
         self.deadlines = deadlines
+        self.shared = Shared()  # what the draft service's rounds have cost so far, and their acceptance
+        self.detached: set[asyncio.Task] = set()  # releases that outlive their cancelled requests
         self.rpc_timeout_s = deadlines.rpc_timeout_s
-        self._draft_channel = open_channel(draft_address, security, aio=True)
         self._verify_channel = open_channel(verify_address, security, aio=True)
-        self.draft = draft_pb2_grpc.DraftServiceStub(self._draft_channel)
         self.verify = verify_pb2_grpc.VerifyServiceStub(self._verify_channel)
-        self._health = [
-            health_pb2_grpc.HealthStub(self._draft_channel),
-            health_pb2_grpc.HealthStub(self._verify_channel),
-        ]
+        self._health = [health_pb2_grpc.HealthStub(self._verify_channel)]
+        self._draft_channel = open_channel(draft_address, security, aio=True) if draft_address else None
+        self.draft = draft_pb2_grpc.DraftServiceStub(self._draft_channel) if draft_address else None
+        if self._draft_channel is not None:
+            self._health.append(health_pb2_grpc.HealthStub(self._draft_channel))
 
     async def ready(self) -> bool:
         for stub in self._health:
@@ -119,7 +136,8 @@ class Backends:
         return True
 
     async def close(self) -> None:
-        await self._draft_channel.close()
+        if self._draft_channel is not None:
+            await self._draft_channel.close()
         await self._verify_channel.close()
 
 

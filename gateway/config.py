@@ -14,7 +14,9 @@ METHODS = ("draft_model", "early_exit", "ngram", "none")
 class GatewayConfig(TracingOptions):
     host: str = field("127.0.0.1", "address to listen on (0.0.0.0 for all interfaces)")
     port: int = field(8000, "HTTP port")
-    draft_address: str = field("127.0.0.1:50051", "host:port of the draft service")
+    draft_address: str = field(
+        "127.0.0.1:50051", "host:port of the draft service (empty: none; only what the verifier drafts itself)"
+    )
     verify_address: str = field("127.0.0.1:50052", "host:port of the verify service")
     tokenizer: str = field(str(DEMO_TARGET), "directory holding the target's tokenizer files")
     served_model_name: str = field("", "model name clients send; default: the verify service's")
@@ -23,10 +25,14 @@ class GatewayConfig(TracingOptions):
         "draft_model", "speculation method when a request sets none: draft_model, early_exit, ngram or none"
     )
     adaptive: bool = field(
-        False, "adapt K per session when a request does not say: grow after full acceptance, shrink after a rejection"
+        True,
+        "when a request does not say: choose each round's K (0: no drafts) from the session's measured draft, "
+        "verify and round costs and its acceptance, for the most tokens per second",
     )
-    adaptive_k_min: int = field(1, "smallest K the adaptive schedule goes to")
-    adaptive_k_max: int = field(8, "largest K the adaptive schedule goes to")
+    adaptive_k_min: int = field(
+        0, "smallest K the adaptive choice takes (0: it may stop drafting where drafts do not pay)"
+    )
+    adaptive_k_max: int = field(8, "largest K the adaptive choice takes")
     pipeline: bool = field(False, "draft round r + 1 while round r is verified, when a request does not say")
     min_draft_probability: float = field(
         0.0, "stop drafting once the draft's top probability falls below this (0: never)"
@@ -74,7 +80,8 @@ class GatewayConfig(TracingOptions):
         check(0 < self.port < 65536, f"port must lie in 1..65535, got {self.port}")
         check(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1")
         check(self.method in METHODS, f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        check(1 <= self.adaptive_k_min <= self.adaptive_k_max, "need 1 <= adaptive_k_min <= adaptive_k_max")
+        check(0 <= self.adaptive_k_min <= self.adaptive_k_max, "need 0 <= adaptive_k_min <= adaptive_k_max")
+        check(self.adaptive_k_max >= 1, "adaptive_k_max must be >= 1")
         check(0 <= self.min_draft_probability <= 1, "min_draft_probability must lie in [0, 1]")
         check(self.startup_timeout_s > 0, "startup_timeout_s must be > 0")
         check(self.rpc_timeout_s > 0, "rpc_timeout_s must be > 0")

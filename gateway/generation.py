@@ -1,5 +1,11 @@
-"""One request's rounds: prefill, then draft -> verify until the consumer stops asking;
-target-only (method "none"), prefill then one Decode stream of tokens.
+"""One request's rounds: prefill, then rounds until the consumer stops asking.
+
+Where the verifier drafts for the request's method itself (colocated drafting), all its
+rounds run in one Decode stream with speculation set: the verifier drafts, verifies and
+goes on without waiting for the gateway, which gets each round's tokens as they come.
+Where the draft service drafts, each round is a Draft call and a Verify call. Target-only
+(method "none", a crowded server, or a draft service that is down) is one Decode stream of
+tokens.
 
 The gateway owns the canonical sequence (DESIGN.md, invariant 3): services hold caches that
 can be rebuilt. A draft stream that fails costs a target-only stretch and is reopened with
@@ -24,6 +30,7 @@ from opentelemetry.trace import SpanKind
 from gateway.backends import Backends, DraftStream
 from specserve.metrics import GatewayMetrics
 from specserve.sampling import SamplingParams
+from specserve.speculation import KChooser, Speculation
 from specserve.telemetry import (
     inject,
     metadata_with_trace_context,
@@ -70,36 +77,20 @@ class GenerationPlan:
     max_tokens: int
     sampling: SamplingParams
     method: str  # draft_model | early_exit | ngram | none
-    num_speculative_tokens: int  # K, where an adaptive schedule starts
-    adaptive: bool = False
+    num_speculative_tokens: int  # K, where an adaptive choice starts
+    adaptive: bool = False  # K per round from the session's measured costs (specserve.speculation)
     min_draft_probability: float = 0.0
-    k_bounds: tuple[int, int] = (1, 8)  # the adaptive schedule's range
-    pipeline: bool = False  # draft round r + 1 while round r is verified
+    k_bounds: tuple[int, int] = (0, 8)  # the adaptive choice's range (0: it may stop drafting)
+    pipeline: bool = False  # draft round r + 1 while round r is verified (a draft service's rounds)
     yields_to_load: bool = True  # decodes target-only while crowded() (a seeded sampled request does not)
+    local: bool = False  # the verifier drafts for this method itself: all rounds in one Decode stream
 
-
-class KSchedule:
-    """Per-session K: grows by one after a round that kept every draft; after a rejection
-    it moves halfway down to what was kept plus one, rounded up (the first word of a new
-    idea wants few drafts, but one early miss in a predictable span should not reset K to
-    1). Falling all the way at once was measured slower than the best fixed K on the mixed
-    workload (each round pays a fixed verify and wire cost that short drafts do not
-    amortise); halfway was at least as fast as the best fixed K in each of four bench runs."""
-
-    def __init__(self, plan: GenerationPlan):
-        self.k = plan.num_speculative_tokens
-        self.adaptive = plan.adaptive
-        self.low, self.high = plan.k_bounds
-
-    def update(self, k: int, num_accepted: int) -> None:
-        self.k = self.k_after(k, num_accepted)
-
-    def k_after(self, k: int, num_accepted: int) -> int:
-        if not self.adaptive or k == 0:
-            return self.k
-        if num_accepted == k:
-            return min(self.high, self.k + 1)
-        return max(self.low, (self.k + num_accepted + 2) // 2)  # the midpoint of K and kept + 1, rounded up
+    @property
+    def speculation(self) -> Speculation | None:
+        if self.method == "none":
+            return None
+        return Speculation(self.method, self.num_speculative_tokens, self.adaptive, self.k_bounds,
+                           self.min_draft_probability)  # fmt: skip
 
 
 @dataclass
@@ -117,12 +108,15 @@ class RoundTimings:
     wire_bytes: int = 0  # serialized draft and verify messages, both ways
     pipelined_rounds: int = 0  # rounds whose drafts were made while the previous one was verified
     batch_sizes: dict[int, int] = field(default_factory=dict)
+    rounds_by_k: dict[int, int] = field(default_factory=dict)  # the K each round verified (0: target-only)
     accepted_per_position: list[int] = field(default_factory=list)  # rounds whose draft i was accepted
 
     def as_dict(self) -> dict:
         wire = (self.draft_seconds - self.draft_server_seconds) + (self.verify_seconds - self.verify_server_seconds)
-        values = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "batch_sizes"}
-        return {**values, "wire_seconds": wire, "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())}}
+        histograms = ("batch_sizes", "rounds_by_k")
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in histograms}
+        values.update({name: {str(k): v for k, v in sorted(getattr(self, name).items())} for name in histograms})
+        return {**values, "wire_seconds": wire}
 
 
 @dataclass
@@ -144,7 +138,8 @@ class SpeculationStats:
 
 @dataclass(frozen=True)
 class Round:
-    """One round as the gateway saw it."""
+    """One round as the gateway saw it. A round drafted in the verifier (colocated) has no
+    draft call: its draft seconds are the verifier's drafting, as seen and as spent."""
 
     new_tokens: list[int]
     k: int  # draft tokens verified (0: a target-only round)
@@ -162,6 +157,10 @@ class Round:
     @property
     def wire_seconds(self) -> float:
         return (self.draft_seconds - self.draft_server_seconds) + (self.verify_seconds - self.verify_server_seconds)
+
+    @property
+    def seconds(self) -> float:
+        return self.draft_seconds + self.verify_seconds
 
 
 # Target-only stretches of a speculative request (a draft service that failed, or too many
@@ -192,40 +191,49 @@ async def generate(
             first = await _prefill(backends, session.id, session.sequence, session.sampling)
         session.sequence.append(first)
         yield [first]
-        generated, stretch = 1, TARGET_ONLY_STRETCH[0]
+        generated = 1
         while generated < plan.max_tokens:
             remaining = plan.max_tokens - generated
-            if session.drafter is None or not session.drafter.available or (crowded is not None and crowded()):
-                wanted = remaining if session.drafter is None else min(stretch, remaining)
-                stretch = min(2 * stretch, TARGET_ONLY_STRETCH[1])
-                session.prefetched = None  # drafted for a sequence these tokens replace
-                async with aclosing(session.decode(wanted, parent)) as rounds:
+            stretch = session.next_stretch(remaining, busy=crowded is not None and crowded())
+            if stretch is not None:  # a Decode stream: the verifier's own rounds, or target-only
+                speculation, wanted = stretch
+                made = 0
+                async with aclosing(session.decode(wanted, parent, speculation)) as rounds:
                     async for round_ in rounds:
                         _account(round_, stats, metrics)
-                        generated += 1
-                        wanted -= 1
+                        made += len(round_.new_tokens)
                         yield round_.new_tokens
-                if wanted:  # the stream ended early: an end-of-sequence token
+                generated += made
+                if made < wanted:  # the stream ended early: an end-of-sequence token
                     return
                 continue
-            stretch = TARGET_ONLY_STRETCH[0]
-            k = min(session.schedule.k, remaining - 1)
             with span("round", context=parent) as round_span:
-                round_ = await session.round(k, remaining=remaining)
+                round_ = await session.round(session.k, remaining=remaining)
                 if round_span.is_recording():
                     round_span.set_attributes(_round_attributes(round_))
             _account(round_, stats, metrics)
-            session.schedule.update(round_.k, round_.num_accepted)
+            session.observe(round_)
             session.sequence.extend(round_.new_tokens)
             generated += len(round_.new_tokens)
             yield round_.new_tokens
     finally:
-        await session.close()
+        await _close_detached(backends, session)
+
+
+async def _close_detached(backends: Backends, session: _Session) -> None:
+    """Closes both sessions even when the request is being cancelled (its client went away):
+    the release runs as a task of its own, which the cancellation does not reach, held in
+    backends.detached until it is done."""
+    task = asyncio.ensure_future(session.close())
+    backends.detached.add(task)
+    task.add_done_callback(backends.detached.discard)
+    await asyncio.shield(task)
 
 
 class _Session:
-    """One request's state across rounds: its sequence, draft stream and K schedule, and the
-    proposal drafted ahead for the next round when pipelining."""
+    """One request's state across rounds: its sequence, its draft stream and K choice (for a
+    draft service's rounds), and the proposal drafted ahead for the next round when
+    pipelining."""
 
     def __init__(self, backends: Backends, plan: GenerationPlan, session_id: str):
         self.backends = backends
@@ -233,27 +241,63 @@ class _Session:
         self.id = session_id
         self.sampling = plan.sampling.to_proto()
         self.sequence = list(plan.prompt_token_ids)
-        self.drafter = (
-            DraftStream(backends, session_id, plan.method, plan.min_draft_probability)
-            if plan.method != "none"
-            else None
-        )
-        self.schedule = KSchedule(plan)
+        remote = plan.method != "none" and not plan.local
+        self.drafter = DraftStream(backends, session_id, plan.method, plan.min_draft_probability) if remote else None
+        self.chooser = KChooser(plan.speculation, backends.shared) if remote else None
+        self.drafted_rounds = 0
+        self.k = 0  # the next remote round's K
+        self.stretch = TARGET_ONLY_STRETCH[0]
         self.prefetched: draft_pb2.DraftResponse | None = None
 
-    async def decode(self, remaining: int, parent: Context | None) -> AsyncIterator[Round]:
-        """Target-only rounds, one token each, from Decode streams: one for the whole request
-        unless the verifier loses the session, which is prefilled again (one token) and
-        decoding goes on. Each token joins the sequence before it is yielded."""
+    def next_stretch(self, remaining: int, busy: bool) -> tuple[Speculation | None, int] | None:
+        """How the next tokens are made: (speculation, tokens) for a Decode stream, the
+        verifier's own rounds or (speculation None) target-only tokens; None for a round
+        drafted by the draft service, of self.k drafts. busy: too many requests run for
+        speculation to pay."""
+        plan = self.plan
+        if plan.method == "none":
+            return None, remaining
+        if not busy and plan.local:
+            return plan.speculation, remaining
+        if busy or not self.drafter.available:
+            self.prefetched = None  # drafted for a sequence these tokens replace
+            wanted, self.stretch = min(self.stretch, remaining), min(2 * self.stretch, TARGET_ONLY_STRETCH[1])
+            return None, wanted
+        self.stretch = TARGET_ONLY_STRETCH[0]
+        self.k = self.chooser.next_k(remaining)
+        if self.k == 0:  # drafts do not pay now: target-only tokens until the chooser tries again
+            self.prefetched = None
+            return None, min(remaining, max(1, self.chooser.target_only_tokens))
+        return None
+
+    def observe(self, round_: Round) -> None:
+        """Feeds a round of a draft service's (or a target-only token of such a request) to the
+        K chooser."""
+        if self.chooser is not None:
+            verify = round_.verify_forward_seconds + round_.verify_kernel_seconds
+            draft = round_.draft_server_seconds if self.drafted_rounds else None  # the first reads the prompt
+            self.drafted_rounds += round_.k > 0
+            self.chooser.observe(round_.k, round_.num_accepted, draft, verify, round_.seconds)
+
+    async def decode(
+        self, remaining: int, parent: Context | None, speculation: Speculation | None = None
+    ) -> AsyncIterator[Round]:
+        """Rounds from Decode streams, the verifier's own (speculation set) or target-only
+        tokens: one stream for all of them unless the verifier loses the session, which is
+        prefilled again (one token) and decoding goes on. Each round's tokens join the
+        sequence before it is yielded."""
         while remaining > 0:
             request = verify_pb2.DecodeRequest(
-                session_id=self.id, num_verified=len(self.sequence), max_tokens=remaining, sampling=self.sampling
-            )
+                session_id=self.id, num_verified=len(self.sequence), max_tokens=remaining, sampling=self.sampling,
+                speculation=speculation.to_proto() if speculation is not None else None,
+            )  # fmt: skip
             try:
                 async with aclosing(_decode(self.backends, request, parent)) as rounds:
                     async for round_ in rounds:
                         self.sequence.extend(round_.new_tokens)
-                        remaining -= 1
+                        remaining -= len(round_.new_tokens)
+                        if speculation is None:
+                            self.observe(round_)
                         yield round_
                 return  # the stream ended: all made, an end-of-sequence token, or the context is full
             except (grpc.aio.AioRpcError, TimeoutError) as error:
@@ -266,7 +310,9 @@ class _Session:
                 token = await _prefill(self.backends, self.id, self.sequence, self.sampling)
             self.sequence.append(token)
             remaining -= 1
-            yield Round([token], 0, 0, 1, 0.0, 0.0, time.perf_counter() - started, 0.0)
+            yield Round(new_tokens=[token], k=0, num_accepted=0, batch_size=1, draft_seconds=0.0,
+                        draft_server_seconds=0.0, verify_seconds=time.perf_counter() - started,
+                        verify_server_seconds=0.0)  # fmt: skip
 
     async def round(self, k: int, remaining: int) -> Round:
         drafts, distributions, guess, draft_s, draft_server_s, draft_bytes = await self._drafts(k)
@@ -280,12 +326,16 @@ class _Session:
         await self._settle(ahead, drafts, guess, response)
         if response is None:  # the verifier lost the session: prefilled again, one token
             new = [await _prefill(self.backends, self.id, self.sequence, self.sampling)]
-            return Round(new, 0, 0, 1, draft_s, draft_server_s, time.perf_counter() - started, 0.0)
+            return Round(new_tokens=new, k=0, num_accepted=0, batch_size=1, draft_seconds=draft_s,
+                         draft_server_seconds=draft_server_s, verify_seconds=time.perf_counter() - started,
+                         verify_server_seconds=0.0)  # fmt: skip
         new = [*drafts[: response.num_accepted], response.next_token_id]
         wire_bytes = draft_bytes + request.ByteSize() + response.ByteSize()
-        return Round(new, len(drafts), response.num_accepted, response.batch_size, draft_s, draft_server_s, verify_s,
-                     response.server_seconds, response.forward_seconds, response.kernel_seconds, wire_bytes,
-                     pipelined=draft_s == 0 and bool(drafts))  # fmt: skip
+        return Round(new_tokens=new, k=len(drafts), num_accepted=response.num_accepted,
+                     batch_size=response.batch_size, draft_seconds=draft_s, draft_server_seconds=draft_server_s,
+                     verify_seconds=verify_s, verify_server_seconds=response.server_seconds,
+                     verify_forward_seconds=response.forward_seconds, verify_kernel_seconds=response.kernel_seconds,
+                     wire_bytes=wire_bytes, pipelined=draft_s == 0 and bool(drafts))  # fmt: skip
 
     async def _drafts(self, k: int):
         """(drafts, distributions, bonus guess, seconds, service seconds, bytes): the proposal
@@ -308,8 +358,7 @@ class _Session:
         draft's own bonus guess were accepted."""
         if not (self.plan.pipeline and drafts and guess >= 0):
             return None
-        full_k = self.schedule.k_after(len(drafts), len(drafts))
-        k_next = min(full_k, remaining - len(drafts) - 2)
+        k_next = min(self.chooser.best_k(remaining - len(drafts) - 1, lowest=1), remaining - len(drafts) - 2)
         if k_next < 1:
             return None
         guessed = [*drafts, guess]
@@ -353,6 +402,7 @@ def _account(round_: Round, stats: SpeculationStats, metrics: GatewayMetrics | N
     timings.wire_bytes += round_.wire_bytes
     timings.pipelined_rounds += int(round_.pipelined)
     timings.batch_sizes[round_.batch_size] = timings.batch_sizes.get(round_.batch_size, 0) + 1
+    timings.rounds_by_k[round_.k] = timings.rounds_by_k.get(round_.k, 0) + 1
     accepted = timings.accepted_per_position
     accepted.extend([0] * (round_.k - len(accepted)))
     for position in range(round_.num_accepted):
@@ -449,13 +499,11 @@ async def _decode(backends: Backends, request: verify_pb2.DecodeRequest, parent:
     try:
         last = time.perf_counter()
         call = backends.verify.Decode(request, metadata=metadata_with_trace_context(call_span), wait_for_ready=True)
+        wire_bytes = request.ByteSize()  # counted with the first round
         while (response := await asyncio.wait_for(call.read(), backends.rpc_timeout_s)) is not grpc.aio.EOF:
             now = time.perf_counter()
-            first = response.num_verified == request.num_verified + 1
-            wire_bytes = response.ByteSize() + (request.ByteSize() if first else 0)
-            yield Round([response.token_id], 0, 0, response.batch_size, 0.0, 0.0, now - last, response.server_seconds,
-                        response.forward_seconds, response.kernel_seconds, wire_bytes)  # fmt: skip
-            last = now
+            yield _decoded_round(response, now - last, wire_bytes + response.ByteSize())
+            last, wire_bytes = now, 0
     except grpc.aio.AioRpcError as error:
         status = error.code()
         raise
@@ -471,6 +519,25 @@ async def _decode(backends: Backends, request: verify_pb2.DecodeRequest, parent:
 
 
 _DECODE_ATTRIBUTES = {"rpc.system": "grpc", "rpc.service": VERIFY_SERVICE, "rpc.method": "Decode"}
+
+
+def _decoded_round(response: verify_pb2.DecodeResponse, seconds: float, wire_bytes: int) -> Round:
+    """A Decode stream's round; seconds: since the previous one arrived. Its drafting (when the
+    verifier drafted it) counts as draft time, the rest as verify time."""
+    draft = response.draft_seconds
+    return Round(
+        new_tokens=[*response.accepted_token_ids, response.token_id],
+        k=response.num_draft_tokens,
+        num_accepted=len(response.accepted_token_ids),
+        batch_size=response.batch_size,
+        draft_seconds=draft,
+        draft_server_seconds=draft,
+        verify_seconds=max(0.0, seconds - draft),
+        verify_server_seconds=max(0.0, response.server_seconds - draft),
+        verify_forward_seconds=response.forward_seconds,
+        verify_kernel_seconds=response.kernel_seconds,
+        wire_bytes=wire_bytes,
+    )
 
 
 async def _traced_call(backends: Backends, method: str, request, **options):

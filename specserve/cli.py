@@ -91,18 +91,31 @@ def main(argv: list[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="Lossless speculative decoding over gRPC.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    up_parser = commands.add_parser("up", help="start draft, verifier and gateway on this machine")
+    up_parser = commands.add_parser("up", help="start the verifier (with its drafts) and the gateway on this machine")
     up_parser.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
     up_parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default 8000)")
-    up_parser.add_argument("--draft-port", type=int, default=50051, help="draft service port (default 50051)")
+    up_parser.add_argument(
+        "--draft-port", type=int, default=50051, help="draft service port, with --draft-service (default 50051)"
+    )
     up_parser.add_argument("--verify-port", type=int, default=50052, help="verify service port (default 50052)")
-    up_parser.add_argument("--draft-metrics-port", type=int, default=9101, help="draft /metrics port (default 9101)")
+    up_parser.add_argument(
+        "--draft-metrics-port",
+        type=int,
+        default=9101,
+        help="draft service /metrics port, with --draft-service (default 9101)",
+    )
     up_parser.add_argument("--verify-metrics-port", type=int, default=9102, help="verify /metrics port (default 9102)")
     up_parser.add_argument(
         "--target", default=str(DEMO_TARGET), help="target model directory (default: the demo target)"
     )
     up_parser.add_argument("--draft", default=str(DEMO_DRAFT), help="draft model directory (default: the demo draft)")
     up_parser.add_argument("--device", default="auto", help="torch device for both models (default auto)")
+    up_parser.add_argument(
+        "--draft-service",
+        action="store_true",
+        help="run the draft model in a draft service of its own (a third process, as on Kubernetes), whose "
+        "rounds go through the gateway, instead of inside the verifier (default: inside, no call per round)",
+    )
     up_parser.add_argument(
         "--max-speculating-requests",
         default="auto",
@@ -123,20 +136,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+EARLY_EXIT_LAYERS = 2  # the target's first layers that method early_exit drafts with
+
+
 def _service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     python = [sys.executable, "-m"]
+    verify = [*python, "verify_service", "--model", args.target, "--port", str(args.verify_port), "--device",
+              args.device, "--metrics-port", str(args.verify_metrics_port)]  # fmt: skip
+    if not args.draft_service:
+        return {"verify": [*verify, "--draft-model", args.draft, "--early-exit-layers", str(EARLY_EXIT_LAYERS)]}
     return {
-        "verify": [*python, "verify_service", "--model", args.target, "--port", str(args.verify_port), "--device", args.device,
-                   "--metrics-port", str(args.verify_metrics_port)],
+        "verify": verify,
         "draft": [*python, "draft_service", "--model", args.draft, "--port", str(args.draft_port), "--device", args.device,
-                  "--metrics-port", str(args.draft_metrics_port), "--early-exit-model", args.target],
+                  "--metrics-port", str(args.draft_metrics_port), "--early-exit-model", args.target,
+                  "--early-exit-layers", str(EARLY_EXIT_LAYERS)],
     }  # fmt: skip
 
 
 def _gateway_command(args: argparse.Namespace) -> list[str]:
+    draft_address = f"127.0.0.1:{args.draft_port}" if args.draft_service else ""
     return [
         sys.executable, "-m", "gateway", "--host", args.host, "--port", str(args.port), "--tokenizer", args.target,
-        "--draft-address", f"127.0.0.1:{args.draft_port}", "--verify-address", f"127.0.0.1:{args.verify_port}",
+        "--draft-address", draft_address, "--verify-address", f"127.0.0.1:{args.verify_port}",
         *_speculation_limit(args.max_speculating_requests, args.device),
     ]  # fmt: skip
 
@@ -263,7 +284,7 @@ def _print_welcome(url: str) -> None:
         f"\nspecserve is up: {url}\n\n"
         f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
         '    -d \'{"prompt": "def fibonacci(n):", "max_tokens": 64, "temperature": 0}\'\n\n'
-        "Ctrl-C stops all three services.\n",
+        "Ctrl-C stops all the services.\n",
         flush=True,
     )
 

@@ -76,33 +76,39 @@ def fuzz_http(url: str, count: int, tally: Tally, headers: dict | None = None) -
 
 
 def fuzz_grpc(verify_address: str, draft_address: str, count: int, tally: Tally) -> None:
+    """The verifier's calls (speculative decodes included), and a draft service's streams
+    unless draft_address is empty."""
     from hypothesis import HealthCheck, given, settings
 
     from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
     st, _, _, tokens, probs = _strategies()
     verify = verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(verify_address))
-    draft = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(draft_address))
+    draft = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(draft_address)) if draft_address else None
     floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
     sampling = st.builds(common_pb2.SamplingParams, temperature=floats, top_p=floats,
                          top_k=st.integers(-(2**31), 2**31 - 1), seed=st.integers(0, 2**64 - 1))  # fmt: skip
     sessions = st.sampled_from(["fuzz-a", "fuzz-b", "", "x" * 300]) | st.text(max_size=8)
     distribution = st.builds(common_pb2.SparseDistribution, token_ids=tokens, probs=probs)
     counts = st.integers(0, 2**32 - 1) | st.integers(0, 40)
+    methods = st.sampled_from(["", "draft_model", "ngram", "early_exit", "bogus"])
+    speculation = st.none() | st.builds(
+        verify_pb2.Speculation, method=methods, num_speculative_tokens=counts, adaptive=st.booleans(),
+        adaptive_k_min=counts, adaptive_k_max=counts, min_draft_probability=floats)  # fmt: skip
     verify_calls = st.one_of(
         st.builds(lambda s, t, p: (verify.Prefill, verify_pb2.PrefillRequest(session_id=s, token_ids=t, sampling=p)),
                   sessions, tokens, sampling),
         st.builds(lambda s, n, d, q, p: (verify.Verify, verify_pb2.VerifyRequest(
             session_id=s, num_verified=n, draft_token_ids=d, draft_distributions=q, sampling=p)),
             sessions, counts, tokens, st.lists(distribution, max_size=20), sampling),
-        st.builds(lambda s, n, m, p: (decode, verify_pb2.DecodeRequest(
-            session_id=s, num_verified=n, max_tokens=m, sampling=p)),
-            sessions, counts, st.integers(0, 40) | st.just(2**32 - 1), sampling),
+        st.builds(lambda s, n, m, p, x: (decode, verify_pb2.DecodeRequest(
+            session_id=s, num_verified=n, max_tokens=m, sampling=p, speculation=x)),
+            sessions, counts, st.integers(0, 40) | st.just(2**32 - 1), sampling, speculation),
         st.builds(lambda s: (verify.Release, verify_pb2.ReleaseRequest(session_id=s)), sessions),
     )  # fmt: skip
     draft_requests = st.lists(st.builds(
         draft_pb2.DraftRequest, session_id=sessions, tokens=tokens, num_verified=counts, num_speculative_tokens=counts,
-        sampling=sampling, method=st.sampled_from(["", "draft_model", "ngram", "early_exit", "bogus"]),
+        sampling=sampling, method=methods,
         min_draft_probability=floats, want_bonus_guess=st.booleans()), min_size=1, max_size=4)  # fmt: skip
 
     def decode(request, timeout):
@@ -129,14 +135,17 @@ def fuzz_grpc(verify_address: str, draft_address: str, count: int, tally: Tally)
         tally.check(code in ALLOWED_GRPC, f"Draft stream {[str(r)[:120] for r in requests]} -> {code}")
 
     check_verify()
-    check_draft()
+    if draft is not None:
+        check_draft()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve fuzz", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--verify-address", default="127.0.0.1:50052")
-    parser.add_argument("--draft-address", default="127.0.0.1:50051")
+    parser.add_argument(
+        "--draft-address", default="", help="a draft service to fuzz too (`specserve up --draft-service`)"
+    )
     parser.add_argument("--count", type=int, default=2000, help="generated inputs per kind (HTTP, verify, draft)")
     parser.add_argument("--api-key", default="")
     args = parser.parse_args(argv)

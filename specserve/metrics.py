@@ -95,8 +95,9 @@ class GatewayMetrics:
 class ServiceMetrics:
     """What the draft and verify services report: batching and occupancy."""
 
-    def __init__(self, component: str) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, component: str, registry: CollectorRegistry | None = None) -> None:
+        """registry: another component's, where one process reports both (colocated drafting)."""
+        self.registry = registry or CollectorRegistry()
         r = self.registry
         self.batch_size = Histogram(
             f"specserve:{component}_batch_size", "Sessions per batch (one forward).", buckets=BATCH_BUCKETS, registry=r
@@ -124,3 +125,10 @@ class ServiceMetrics:
     def serve(self, host: str, port: int) -> None:
         if port:
             start_http_server(port, addr=host, registry=self.registry)
+
+    def count_compiling(self, models: dict) -> None:
+        """specserve:drafter_compiling_steps: how many of these models (a drafter's) are still
+        building their compiled steps, their eager forward serving meanwhile."""
+        compiling = Gauge("specserve:drafter_compiling_steps", "Draft models whose compiled one-token steps are being "
+                          "built (their eager forward serves meanwhile).", registry=self.registry)  # fmt: skip
+        compiling.set_function(lambda: sum(m.backend.compiling for m in models.values()))

@@ -49,7 +49,9 @@ def check_token_ids(token_ids: list[int] | tuple[int, ...], vocab_size: int, wha
     require(all(0 <= t < vocab_size for t in token_ids), f"{what} must lie in [0, {vocab_size})")
 
 
-def model_info(loaded: LoadedModel, max_speculative_tokens: int) -> common_pb2.ModelInfo:
+def model_info(
+    loaded: LoadedModel, max_speculative_tokens: int, local_methods: tuple[str, ...] = ()
+) -> common_pb2.ModelInfo:
     return common_pb2.ModelInfo(
         model_name=loaded.name,
         vocab_size=loaded.vocab_size,
@@ -58,4 +60,5 @@ def model_info(loaded: LoadedModel, max_speculative_tokens: int) -> common_pb2.M
         max_speculative_tokens=max_speculative_tokens,
         tokenizer_fingerprint=loaded.tokenizer_fingerprint,
         device=str(loaded.device),
+        local_methods=local_methods,
     )

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny random model pair, and the whole stack started as real processes
-on loopback ports through `specserve up`."""
+on loopback ports through `specserve up`: as it starts by default (the verifier drafts for
+itself), and with a draft service of its own (`--draft-service`)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def free_port() -> int:
 @dataclass
 class Stack:
     url: str
-    draft_address: str
+    draft_address: str  # "" without a draft service
     verify_address: str
     target_dir: Path
     draft_dir: Path
@@ -60,12 +61,14 @@ def up_command(
     draft_port: int,
     verify_port: int,
     metrics_ports: tuple[int, int] | None = None,
+    draft_service: bool = False,
 ) -> list[str]:
     draft_metrics, verify_metrics = metrics_ports or (free_port(), free_port())
     return [
         sys.executable, "-m", "specserve.cli", "up", "--port", str(port), "--draft-port", str(draft_port),
         "--verify-port", str(verify_port), "--target", str(target_dir), "--draft", str(draft_dir), "--device", "cpu",
         "--draft-metrics-port", str(draft_metrics), "--verify-metrics-port", str(verify_metrics),
+        *(["--draft-service"] if draft_service else []),
     ]  # fmt: skip
 
 
@@ -75,10 +78,12 @@ def start_stack(
     env: dict[str, str] | None = None,
     metrics_ports: tuple[int, int] | None = None,
     log_path: Path | None = None,
+    draft_service: bool = False,
 ) -> Stack:
-    """The stack on free ports; log_path, where given, takes what its processes log."""
+    """The stack on free ports, with a draft service of its own where asked; log_path, where
+    given, takes what its processes log. metrics_ports: (draft service's, verifier's)."""
     port, draft_port, verify_port = free_port(), free_port(), free_port()
-    command = up_command(target_dir, draft_dir, port, draft_port, verify_port, metrics_ports)
+    command = up_command(target_dir, draft_dir, port, draft_port, verify_port, metrics_ports, draft_service)
     # One torch thread per service: three processes share two cores, and tiny models gain
     # nothing from intra-op threads but lose to their spinning.
     env = {
@@ -101,7 +106,8 @@ def start_stack(
     except BaseException:
         stop_process(process)
         raise
-    return Stack(url, f"127.0.0.1:{draft_port}", f"127.0.0.1:{verify_port}", target_dir, draft_dir, process)
+    draft_address = f"127.0.0.1:{draft_port}" if draft_service else ""
+    return Stack(url, draft_address, f"127.0.0.1:{verify_port}", target_dir, draft_dir, process)
 
 
 def metric(port: int, name: str) -> float:
@@ -129,6 +135,15 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def stack(tiny_pair) -> Stack:
+    """The stack as `specserve up` starts it: the verifier drafts for itself."""
     running = start_stack(*tiny_pair)
+    yield running
+    stop_process(running.process)
+
+
+@pytest.fixture(scope="session")
+def split_stack(tiny_pair) -> Stack:
+    """The stack with a draft service of its own, whose rounds go through the gateway."""
+    running = start_stack(*tiny_pair, draft_service=True)
     yield running
     stop_process(running.process)

@@ -44,7 +44,11 @@ def target_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def test_greedy_speculative_equals_target_only_and_transformers(stack):
+@pytest.mark.parametrize("stack_name", ["stack", "split_stack"])
+def test_greedy_speculative_equals_target_only_and_transformers(request, stack_name):
+    """For the verifier's own rounds and for a draft service's."""
+    stack = request.getfixturevalue(stack_name)
+
     def run(args):
         prompt, method, k = args
         return token_ids(stack.url, prompt, max_tokens=40, temperature=0,
@@ -66,10 +70,9 @@ def test_greedy_speculative_equals_target_only_and_transformers(stack):
 def test_a_cpu_stack_speculates_while_one_request_runs_and_stays_exact_beyond(stack):
     """`specserve up` on the CPU passes the gateway --max-speculating-requests 1."""
 
-    def run(prompt, **body):
-        return complete(
-            stack.url, prompt=list(prompt), max_tokens=60, return_token_ids=True, **{"temperature": 0, **body}
-        )
+    def run(prompt, **body):  # a fixed K: whether a round drafts is the load's doing alone
+        body = {"temperature": 0, "speculation": {"adaptive": False}, **body}
+        return complete(stack.url, prompt=list(prompt), max_tokens=60, return_token_ids=True, **body)
 
     references = [run(p, speculation={"method": "none"})["choices"][0]["token_ids"] for p in PROMPTS]
     alone = [run(p) for p in PROMPTS]  # one at a time: every round speculates
@@ -88,10 +91,10 @@ def test_a_cpu_stack_speculates_while_one_request_runs_and_stays_exact_beyond(st
 def test_compiled_steps_keep_greedy_output_while_the_draft_compiles_and_after(tiny_pair, tmp_path):
     """The target compiles before it serves (bfloat16 matrices: float32 ones are not compiled);
     the drafts compile while the stack serves."""
-    log, draft_metrics = tmp_path / "stack.log", free_port()
-    env = {"SPECSERVE_DRAFT_COMPILE_STEPS": "1", "SPECSERVE_VERIFY_COMPILE_STEPS": "1",
-           "SPECSERVE_VERIFY_MATMUL_DTYPE": "bfloat16", "SPECSERVE_LOG_LEVEL": "INFO"}  # fmt: skip
-    compiled = start_stack(*tiny_pair, env=env, metrics_ports=(draft_metrics, free_port()), log_path=log)
+    log, verify_metrics = tmp_path / "stack.log", free_port()
+    env = {"SPECSERVE_VERIFY_COMPILE_STEPS": "1", "SPECSERVE_VERIFY_MATMUL_DTYPE": "bfloat16",
+           "SPECSERVE_LOG_LEVEL": "INFO"}  # fmt: skip
+    compiled = start_stack(*tiny_pair, env=env, metrics_ports=(free_port(), verify_metrics), log_path=log)
     try:
 
         def run(job):
@@ -103,7 +106,7 @@ def test_compiled_steps_keep_greedy_output_while_the_draft_compiles_and_after(ti
         with ThreadPoolExecutor(len(jobs)) as pool:
             while_compiling = dict(zip(jobs, pool.map(run, jobs)))  # the eager forward serves meanwhile
             deadline = time.monotonic() + 300
-            while (compiling := metric(draft_metrics, "specserve:drafter_compiling_steps")) > 0:
+            while (compiling := metric(verify_metrics, "specserve:drafter_compiling_steps")) > 0:
                 assert time.monotonic() < deadline, log.read_text()[-3000:]
                 time.sleep(0.5)
             text = log.read_text()
@@ -118,16 +121,19 @@ def test_compiled_steps_keep_greedy_output_while_the_draft_compiles_and_after(ti
         stop_process(compiled.process)
 
 
-def test_adaptive_k_and_confidence_stop_keep_greedy_output(stack):
+@pytest.mark.parametrize("stack_name", ["stack", "split_stack"])
+def test_adaptive_k_and_confidence_stop_keep_greedy_output(request, stack_name):
+    stack = request.getfixturevalue(stack_name)
     reference = token_ids(stack.url, PROMPTS[1], max_tokens=40, temperature=0, speculation={"method": "none"})
     for speculation in ({"adaptive": True, "num_speculative_tokens": 2}, {"min_draft_probability": 0.6},
-                        {"pipeline": True}, {"pipeline": True, "adaptive": True, "method": "early_exit"},
+                        {"adaptive": False}, {"pipeline": True, "adaptive": False},
+                        {"pipeline": True, "adaptive": True, "method": "early_exit"},
                         {"adaptive": True, "min_draft_probability": 0.3, "method": "ngram"}):  # fmt: skip
         body = complete(stack.url, prompt=list(PROMPTS[1]), max_tokens=40, temperature=0, return_token_ids=True,
                         return_timings=True, speculation=speculation)  # fmt: skip
         assert body["choices"][0]["token_ids"] == reference, speculation
-        if speculation.get("pipeline") and "method" not in speculation:
-            assert body["usage"]["timings"]["pipelined_rounds"] >= 1  # some guesses held
+        if speculation.get("pipeline") and "method" not in speculation and stack.draft_address:
+            assert body["usage"]["timings"]["pipelined_rounds"] >= 1  # some guesses held (a draft service's rounds)
     sent = body["usage"]["speculation"]
     assert sent["num_drafts"] >= 1  # ngram found repeats to copy in this looping output
 
@@ -169,14 +175,17 @@ def _chi_square(observed: list[int], expected_probs: torch.Tensor) -> float:
     return stats.chisquare(observed_bins.numpy(), expected_bins.numpy()).pvalue
 
 
-def test_sampled_tokens_follow_the_target_distribution(stack):
+@pytest.mark.parametrize("stack_name", ["stack", "split_stack"])
+def test_sampled_tokens_follow_the_target_distribution(request, stack_name):
     """1200 seeded requests at temperature 1: the first token (prefill) and the second (a
-    verify round with K = 2 from a draft that often disagrees) follow the target exactly."""
+    verify round with K = 2 from a draft that often disagrees) follow the target exactly,
+    drafted by the verifier itself or by a draft service."""
+    stack = request.getfixturevalue(stack_name)
     prompt = list(PROMPTS[0])
 
     def run(seed):
         return token_ids(stack.url, prompt, max_tokens=4, temperature=1.0, seed=seed,
-                         speculation={"num_speculative_tokens": 3})  # fmt: skip
+                         speculation={"num_speculative_tokens": 3, "adaptive": False})  # fmt: skip
 
     with ThreadPoolExecutor(16) as pool:
         outputs = list(pool.map(run, range(1200)))
@@ -271,11 +280,13 @@ def test_models_and_health(stack):
     assert httpx.get(f"{stack.url}/health").json() == {"status": "ok"}
 
 
-def test_mismatched_pair_is_refused_at_start_up(tmp_path):
+@pytest.mark.parametrize("draft_service", [False, True], ids=["verifier", "gateway"])
+def test_mismatched_pair_is_refused_at_start_up(tmp_path, draft_service):
+    """By the verifier that would draft with it, or by the gateway in front of a draft service."""
     from specserve.testing import save_pair
 
     target_dir, draft_dir = save_pair(tmp_path, mismatched=True)
-    command = up_command(target_dir, draft_dir, free_port(), free_port(), free_port())
+    command = up_command(target_dir, draft_dir, free_port(), free_port(), free_port(), draft_service=draft_service)
     result = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert result.returncode != 0
     assert "different vocabularies" in result.stderr

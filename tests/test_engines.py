@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from draft_service.config import DraftConfig
-from draft_service.engine import Drafter, DraftJob
 from specserve.batching import Again
+from specserve.drafting import Drafter, DraftJob
 from specserve.errors import FailedPrecondition, ResourceExhausted
 from specserve.models import load_model
 from specserve.sampling import SamplingParams
@@ -112,7 +112,8 @@ def test_batched_verification_equals_each_row_alone(tiny_pair):
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.9, seed=5)])
 def test_batched_drafting_equals_each_session_alone(tiny_pair, sampling):
     _, draft_dir = tiny_pair
-    drafter = Drafter({"draft_model": load_model(str(draft_dir), CPU, torch.float32)}, DraftConfig())
+    loaded = load_model(str(draft_dir), CPU, torch.float32)
+    drafter = Drafter({"draft_model": loaded}, DraftConfig().drafting(loaded))
     prefixes = [(1, 2, 3), (9,) * 12, (200, 100)]
     ks = [4, 2, 3]
 
@@ -141,7 +142,7 @@ def test_batched_drafting_equals_each_session_alone(tiny_pair, sampling):
 
 
 def test_ngram_drafts_copy_after_the_latest_longest_repeat():
-    from draft_service.engine import ngram_drafts
+    from specserve.drafting import ngram_drafts
 
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]
     assert ngram_drafts(tokens, 2, max_n=3) == [7, 8]  # the latest [1, 2, 3] was followed by 7, 8
@@ -152,7 +153,8 @@ def test_ngram_drafts_copy_after_the_latest_longest_repeat():
 
 def test_confidence_stop_and_bonus_guess(tiny_pair):
     _, draft_dir = tiny_pair
-    drafter = Drafter({"draft_model": load_model(str(draft_dir), CPU, torch.float32)}, DraftConfig())
+    loaded = load_model(str(draft_dir), CPU, torch.float32)
+    drafter = Drafter({"draft_model": loaded}, DraftConfig().drafting(loaded))
     session = drafter.open_session("s", "draft_model")
     sure = drafter.step([DraftJob(session, (1, 2, 3), 3, 4, GREEDY, want_bonus_guess=True)])[0]
     assert len(sure.draft_token_ids) == 4 and sure.bonus_guess >= 0

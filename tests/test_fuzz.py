@@ -15,8 +15,10 @@ def test_generated_http_bodies_get_4xx_not_5xx(stack):
     assert httpx.get(f"{stack.url}/health").status_code == 200
 
 
-def test_generated_grpc_messages_get_request_errors_not_internal(stack):
+def test_generated_grpc_messages_get_request_errors_not_internal(stack, split_stack):
+    """The default stack's verifier (its own speculative decodes included) and a draft service."""
     tally = Tally()
-    fuzz_grpc(stack.verify_address, stack.draft_address, 150, tally)
+    fuzz_grpc(stack.verify_address, split_stack.draft_address, 150, tally)
     assert tally.inputs >= 150 and not tally.failures
     assert httpx.get(f"{stack.url}/health").status_code == 200
+    assert httpx.get(f"{split_stack.url}/health").status_code == 200

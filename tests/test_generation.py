@@ -1,48 +1,17 @@
-"""The gateway's per-session K schedule, and its target-only Decode streams against a
-scripted verifier (breaks that real processes make only by chance)."""
+"""The gateway's Decode streams against a scripted verifier (breaks that real processes make
+only by chance)."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from types import SimpleNamespace
 
 import grpc
 
 from gateway.backends import Deadlines
-from gateway.generation import GenerationPlan, KSchedule, SpeculationStats, generate
+from gateway.generation import GenerationPlan, SpeculationStats, generate
 from specserve.sampling import SamplingParams
 from specserve.v1 import verify_pb2
-
-
-def plan(k: int, adaptive: bool) -> GenerationPlan:
-    return GenerationPlan([1], 64, SamplingParams(), "draft_model", k, adaptive=adaptive, k_bounds=(1, 8))
-
-
-def test_adaptive_k_grows_after_full_acceptance_and_falls_halfway_after_a_rejection():
-    schedule = KSchedule(plan(8, adaptive=True))
-    schedule.update(8, 8)
-    assert schedule.k == 8  # capped at the upper bound
-    schedule.update(8, 0)
-    assert schedule.k == 5  # halfway from 8 down to 0 kept + 1, rounded up
-    schedule.update(5, 5)
-    assert schedule.k == 6
-    schedule.update(6, 3)
-    assert schedule.k == 5
-    for _ in range(5):
-        schedule.update(schedule.k, 0)
-    assert schedule.k == 2  # halfway from 2 to 1, rounded up: repeated misses settle at 2
-    bounded = KSchedule(dataclasses.replace(plan(8, adaptive=True), k_bounds=(3, 8)))
-    for _ in range(5):
-        bounded.update(bounded.k, 0)
-    assert bounded.k == 3  # the lower bound
-
-
-def test_fixed_k_stays():
-    schedule = KSchedule(plan(4, adaptive=False))
-    schedule.update(4, 0)
-    schedule.update(4, 4)
-    assert schedule.k == 4
 
 
 class _Stream:
@@ -92,7 +61,9 @@ class _Verifier:
 
 
 def _target_only(verifier: _Verifier, prompt: list[int], max_tokens: int) -> list[int]:
-    backends = SimpleNamespace(verify=verifier, rpc_timeout_s=0.2, deadlines=Deadlines(verify_retry_s=5))
+    backends = SimpleNamespace(
+        verify=verifier, rpc_timeout_s=0.2, deadlines=Deadlines(verify_retry_s=5), detached=set()
+    )
     plan_ = GenerationPlan(prompt, max_tokens, SamplingParams(temperature=0), "none", 4)
 
     async def run():

@@ -35,7 +35,7 @@ def guarded(tiny_pair):
         "SPECSERVE_VERIFY_CPUS": str(CPUS[0]),
         "SPECSERVE_DRAFT_CPUS": str(CPUS[-1]),
     }
-    stack = start_stack(*tiny_pair, env=env, metrics_ports=(free_port(), verify_metrics))
+    stack = start_stack(*tiny_pair, env=env, metrics_ports=(free_port(), verify_metrics), draft_service=True)
     yield stack, verify_metrics
     stop_process(stack.process)
 
@@ -222,3 +222,41 @@ def test_verifier_killed_mid_stream_the_stream_completes_identically(guarded, me
     kill = lambda: os.kill(pid_of("verify_service", verify_port), signal.SIGKILL)  # noqa: E731
     assert streamed_tokens(stack.url, body, 20, kill) == reference
     assert forwards_run(verify_metrics) > 0  # the restarted verifier finished the stream
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_pair):
+    """The stack as `specserve up` starts it: speculative rounds run inside the verifier."""
+    verify_metrics = free_port()
+    env = {"SPECSERVE_GATEWAY_API_KEYS": KEY}
+    stack = start_stack(*tiny_pair, env=env, metrics_ports=(free_port(), verify_metrics))
+    yield stack, verify_metrics
+    stop_process(stack.process)
+
+
+def test_verifier_killed_mid_speculative_stream_the_stream_completes_identically(colocated):
+    # The verifier drafts and verifies round after round in one Decode stream; when it dies,
+    # the gateway prefills the restarted one from its own sequence and speculates on.
+    stack, verify_metrics = colocated
+    speculation = {"speculation": {"method": "draft_model", "num_speculative_tokens": 3}}
+    reference = greedy(stack.url, 300, speculation={"method": "none"})["choices"][0]["token_ids"]
+    verify_port = stack.verify_address.rsplit(":", 1)[1]
+    body = {"prompt": [7, 8, 9], "max_tokens": 300, "temperature": 0, **speculation}
+    kill = lambda: os.kill(pid_of("verify_service", verify_port), signal.SIGKILL)  # noqa: E731
+    assert streamed_tokens(stack.url, body, 20, kill) == reference
+    after = greedy(stack.url, 40, **speculation)
+    assert after["choices"][0]["token_ids"] == reference[:40] and after["usage"]["speculation"]["num_drafts"] > 0
+
+
+def test_a_client_that_leaves_a_speculative_stream_frees_both_caches(colocated):
+    stack, verify_metrics = colocated
+    body = {"prompt": [4, 5, 6], "max_tokens": 400, "temperature": 0, "stream": True,
+            "speculation": {"num_speculative_tokens": 3, "adaptive": False}}  # fmt: skip
+    with httpx.Client(headers=AUTH, timeout=60) as client:
+        with client.stream("POST", f"{stack.url}/v1/completions", json=body) as stream:
+            next(stream.iter_lines())  # the first chunk: the request is in flight; then walk away
+    deadline = time.monotonic() + 10
+    names = ("specserve:verifier_kv_slots_in_use", "specserve:drafter_kv_slots_in_use")
+    while any(metric(verify_metrics, name) > 0 for name in names) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [metric(verify_metrics, name) for name in names] == [0, 0]

@@ -1,4 +1,4 @@
-"""One request is one trace across the three processes; /metrics agrees with usage."""
+"""One request is one trace across the processes; /metrics agrees with usage."""
 
 from __future__ import annotations
 
@@ -12,18 +12,28 @@ from specserve.trace_report import DRAFT_CLIENT, ROUND, SpanCollector, duration_
 from tests.conftest import free_port, start_stack, stop_process
 
 
-@pytest.fixture(scope="module")
-def traced(tiny_pair):
+def _traced_stack(tiny_pair, draft_service: bool):
     collector = SpanCollector(f"127.0.0.1:{free_port()}").start()
     verify_metrics, draft_metrics = free_port(), free_port()
-    env = {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}",
-        "OTEL_BSP_SCHEDULE_DELAY": "100",
-        "SPECSERVE_VERIFY_METRICS_PORT": str(verify_metrics),
-        "SPECSERVE_DRAFT_METRICS_PORT": str(draft_metrics),
-    }
-    stack = start_stack(*tiny_pair, env=env, metrics_ports=(draft_metrics, verify_metrics))
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    stack = start_stack(*tiny_pair, env=env, metrics_ports=(draft_metrics, verify_metrics), draft_service=draft_service)
+    return stack, collector, verify_metrics, draft_metrics
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_pair):
+    """The stack with a draft service: three processes."""
+    stack, collector, verify_metrics, draft_metrics = _traced_stack(tiny_pair, draft_service=True)
     yield stack, collector, verify_metrics, draft_metrics
+    stop_process(stack.process)
+    collector.stop()
+
+
+@pytest.fixture(scope="module")
+def traced_colocated(tiny_pair):
+    """The stack as `specserve up` starts it: the verifier drafts for itself."""
+    stack, collector, verify_metrics, _ = _traced_stack(tiny_pair, draft_service=False)
+    yield stack, collector, verify_metrics
     stop_process(stack.process)
     collector.stop()
 
@@ -142,3 +152,32 @@ def test_metrics_agree_with_the_usage_served(traced):
     verifier = httpx.get(f"http://127.0.0.1:{verify_metrics}/metrics").text
     assert "specserve:verifier_batch_size_bucket" in verifier and "specserve:verifier_kv_slots_in_use" in verifier
     assert "specserve:drafter_batch_size_bucket" in httpx.get(f"http://127.0.0.1:{draft_metrics}/metrics").text
+
+
+def test_a_request_whose_rounds_the_verifier_drafts_is_one_trace_round_by_round(traced_colocated):
+    """The gateway's request, its Decode call, the verifier's server span, and under it each
+    round's drafting, target forward and decision; the drafter's metrics on the verifier's port."""
+    stack, collector, verify_metrics = traced_colocated
+    body = {"prompt": [5, 6, 9], "max_tokens": 16, "temperature": 0, "return_timings": True,
+            "speculation": {"num_speculative_tokens": 3, "adaptive": False}}  # fmt: skip
+    usage = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()["usage"]
+    rounds = usage["timings"]["rounds"]
+    assert usage["speculation"]["num_drafts"] == rounds and usage["timings"]["rounds_by_k"].get("3", 0) >= 1
+    deadline = time.monotonic() + 30
+    while True:
+        spans = collector.snapshot()
+        requests = [s for s in spans if s["attributes"].get("gen_ai.operation.name")]
+        trace = [s for s in spans if requests and s["trace_id"] == requests[0]["trace_id"]]
+        if len([s for s in trace if s["name"] == "draft.forward"]) >= rounds or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert {s["service"] for s in trace} == {"specserve-gateway", "specserve-verify"}
+    [client] = [s for s in trace if s["name"].endswith("VerifyService/Decode") and s["service"] == "specserve-gateway"]
+    [server] = [s for s in trace if s["parent_span_id"] == client["span_id"]]
+    under = [s for s in trace if s["parent_span_id"] == server["span_id"]]
+    for name in ("draft.forward", "target.forward", "kernel.rejection_sample"):
+        assert len([s for s in under if s["name"] == name]) == rounds, name
+    assert all(1 <= s["attributes"]["specserve.k"] <= 3 for s in under if s["name"] == "draft.forward")
+    verifier = httpx.get(f"http://127.0.0.1:{verify_metrics}/metrics").text
+    assert "specserve:drafter_batch_size_bucket" in verifier and "specserve:verifier_batch_size_bucket" in verifier
+    assert "specserve:drafter_compiling_steps 0.0" in verifier

@@ -1,7 +1,9 @@
-"""The verify and draft services through their generated stubs, as a user would call them."""
+"""The verify and draft services through their generated stubs, as a user would call them:
+the verifier of the default stack (which drafts for itself), and a draft service."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,9 +25,16 @@ def verify(stack):
 
 
 @pytest.fixture(scope="module")
-def draft(stack):
-    with grpc.insecure_channel(stack.draft_address) as channel:
+def draft(split_stack):
+    with grpc.insecure_channel(split_stack.draft_address) as channel:
         yield draft_pb2_grpc.DraftServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def split_verify(split_stack):
+    """The verifier beside a draft service (it drafts only with n-gram itself)."""
+    with grpc.insecure_channel(split_stack.verify_address) as channel:
+        yield verify_pb2_grpc.VerifyServiceStub(channel)
 
 
 def prefill(verify, session_id: str, tokens=(72, 101, 108), sampling=GREEDY) -> verify_pb2.PrefillResponse:
@@ -38,7 +47,8 @@ def status_of(call) -> grpc.RpcError:
     return caught.value
 
 
-def test_prefill_verify_release_round_trip(verify, draft):
+def test_prefill_verify_release_round_trip(split_verify, draft):
+    verify = split_verify
     first = prefill(verify, "round-trip")
     assert first.num_verified == 4
     sequence = [72, 101, 108, first.next_token_id]
@@ -149,9 +159,9 @@ def test_concurrent_verify_calls_share_a_kernel_call(verify):
     assert len({(r.num_accepted, r.next_token_id) for r in replies}) == 1  # same input, same answer
 
 
-def test_health_and_reflection(stack):
+def test_health_and_reflection(stack, split_stack):
     for address, service in ((stack.verify_address, "specserve.v1.VerifyService"),
-                             (stack.draft_address, "specserve.v1.DraftService")):  # fmt: skip
+                             (split_stack.draft_address, "specserve.v1.DraftService")):  # fmt: skip
         with grpc.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             for name in ("", service):
@@ -165,12 +175,16 @@ def test_health_and_reflection(stack):
             assert {service, "grpc.health.v1.Health"} <= names
 
 
-def test_model_info_of_both_services_agree(verify, draft):
+def test_model_info_of_both_services_agree(verify, split_verify, draft):
     target_info = verify.GetModelInfo(common_pb2.ModelInfoRequest())
     draft_info = draft.GetModelInfo(common_pb2.ModelInfoRequest())
     assert target_info.vocab_size == 257 and target_info.max_context_length == 512
     assert target_info.tokenizer_fingerprint == draft_info.tokenizer_fingerprint
     assert list(target_info.eos_token_ids) == [256]
+    # The default stack's verifier drafts with the draft model, early exit and n-gram; one
+    # beside a draft service with n-gram only (it needs no model).
+    assert sorted(target_info.local_methods) == ["draft_model", "early_exit", "ngram"]
+    assert list(split_verify.GetModelInfo(common_pb2.ModelInfoRequest()).local_methods) == ["ngram"]
 
 
 def decode(verify, session_id: str, num_verified: int, max_tokens: int, sampling=None) -> list:
@@ -246,3 +260,39 @@ def test_concurrent_decodes_share_batches_and_verify_calls_run_beside_them(verif
     assert all([r.token_id for r in s] == [r.token_id for r in streams[0]] for s in streams)  # same input, same tokens
     assert all(len(s) == 30 for s in streams)
     assert max(r.batch_size for s in streams for r in s) > 1
+
+
+def speculative_decode(verify, session_id: str, num_verified: int, max_tokens: int, sampling=None, **speculation):
+    request = verify_pb2.DecodeRequest(session_id=session_id, num_verified=num_verified, max_tokens=max_tokens,
+                                       sampling=sampling, speculation=verify_pb2.Speculation(**speculation))  # fmt: skip
+    return list(verify.Decode(request))
+
+
+@pytest.mark.parametrize("method", ["draft_model", "early_exit", "ngram"])
+def test_a_speculative_decode_streams_rounds_whose_tokens_are_target_only_decodings(verify, method):
+    prompt = (104, 105, 104, 105, 104, 105, 32)  # repeats, so that n-gram finds something to copy
+    prefill(verify, f"plain-{method}", prompt)
+    plain = [r.token_id for r in decode(verify, f"plain-{method}", 8, 30)]
+    prefill(verify, f"spec-{method}", prompt)
+    rounds = speculative_decode(verify, f"spec-{method}", 8, 30, method=method, num_speculative_tokens=4)
+    assert [t for r in rounds for t in (*r.accepted_token_ids, r.token_id)] == plain
+    assert all(len(r.accepted_token_ids) <= r.num_draft_tokens <= 4 for r in rounds)
+    lengths = itertools.accumulate((len(r.accepted_token_ids) + 1 for r in rounds), initial=8)
+    assert [r.num_verified for r in rounds] == list(lengths)[1:]
+    assert sum(len(r.accepted_token_ids) for r in rounds) > 0  # fewer rounds than tokens: drafts were kept
+    assert all(r.draft_seconds > 0 for r in rounds if r.num_draft_tokens)
+
+
+@pytest.mark.parametrize(
+    "speculation",
+    [{"method": "nope", "num_speculative_tokens": 4}, {"method": "draft_model", "num_speculative_tokens": 0},
+     {"method": "draft_model", "num_speculative_tokens": 99}, {"method": "ngram", "num_speculative_tokens": 4,
+                                                              "min_draft_probability": 2.0},
+     {"method": "draft_model", "num_speculative_tokens": 4, "adaptive": True, "adaptive_k_min": 5,
+      "adaptive_k_max": 2}],
+)  # fmt: skip
+def test_bad_speculation_is_invalid_and_changes_nothing(verify, speculation):
+    prefill(verify, "bad-speculation")
+    error = status_of(lambda: speculative_decode(verify, "bad-speculation", 4, 5, **speculation))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [r.num_verified for r in decode(verify, "bad-speculation", 4, 2)] == [5, 6]  # the session is as it was

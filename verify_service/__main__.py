@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
 
 from specserve.batching import Batcher
 from specserve.config import parse_config, pin_to_cpus
+from specserve.drafting import Drafter, DraftOptions
 from specserve.grpc_server import run_service
 from specserve.logs import setup_logging
 from specserve.metrics import ServiceMetrics
-from specserve.models import load_for_service
+from specserve.models import LoadedModel, load_for_service, load_tokenizer, tokenizer_fingerprint
 from specserve.telemetry import setup_tracing
 from specserve.v1 import verify_pb2_grpc
 from verify_service.config import VerifyConfig
 from verify_service.engine import SweepJob, Verifier
+from verify_service.local_drafts import LocalDrafting
 from verify_service.servicer import SERVICE_NAME, VerifyServicer
+
+log = logging.getLogger("verify_service")
 
 
 def start_sweeper(batcher: Batcher, ttl_s: float) -> None:
@@ -30,17 +35,66 @@ def start_sweeper(batcher: Batcher, ttl_s: float) -> None:
     threading.Thread(target=sweep_forever, name="session-sweeper", daemon=True).start()
 
 
+class RefusedDraft(Exception):
+    """A draft model the verifier cannot draft with for its target."""
+
+
+def check_draft_tokenizer(config: VerifyConfig) -> None:
+    """Before any model loads (the target may compile for half a minute): the draft model must
+    share the target's tokenizer."""
+    if not config.draft_model:
+        return
+    draft, target = (tokenizer_fingerprint(load_tokenizer(path)) for path in (config.draft_model, config.model))
+    if draft != target:
+        raise RefusedDraft(
+            f"the draft model {config.draft_model} and the target model {config.model} have different vocabularies "
+            f"(tokenizer fingerprints {draft} and {target}); speculative decoding needs a draft that shares the "
+            "target's tokenizer"
+        )
+
+
+def colocated_drafting(config: VerifyConfig, target: LoadedModel, metrics: ServiceMetrics) -> LocalDrafting:
+    """The verifier's own drafter: n-gram always, the draft model and early exit when asked."""
+    models = {}
+    if config.draft_model:
+        # A draft need not be bitwise row-independent: verification keeps the output exact.
+        models["draft_model"] = load_for_service(config, config.draft_model, row_invariant=False,
+                                                 compile_steps=config.compile_steps)  # fmt: skip
+    if config.early_exit_layers:
+        models["early_exit"] = load_for_service(config, config.model, config.early_exit_layers, row_invariant=False,
+                                                compile_steps=config.compile_steps)  # fmt: skip
+    options = DraftOptions(
+        vocab_size=target.vocab_size,
+        max_context_length=target.max_context_length,
+        max_sessions=config.max_sessions,
+        max_speculative_tokens=config.max_speculative_tokens,
+        support_size=config.support_size,
+        ngram_max=config.ngram_max,
+        max_batched_tokens=config.max_batched_tokens,
+    )
+    drafter_metrics = ServiceMetrics("drafter", metrics.registry)
+    drafter_metrics.count_compiling(models)
+    drafter = Drafter(models, options, drafter_metrics)
+    return LocalDrafting(drafter, config.max_speculative_tokens)
+
+
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(VerifyConfig, "verify", argv, "specserve verify", "Serve the target model (VerifyService).")
     pin_to_cpus(config.cpus)  # before the service starts its threads; they inherit it
     setup_logging("verify")
     tracing = setup_tracing("specserve-verify", config.trace_console, config.trace_sample_ratio)
+    try:
+        check_draft_tokenizer(config)
+    except RefusedDraft as error:
+        log.error("refusing to start: %s", error)
+        return 2
     loaded = load_for_service(config, compile_steps=config.compile_steps)
     metrics = ServiceMetrics("verifier")
+    local = colocated_drafting(config, loaded, metrics)
     metrics.serve(config.host, config.metrics_port)
-    verifier = Verifier(loaded, config, metrics)
+    verifier = Verifier(loaded, config, metrics, local)
     batcher = Batcher(verifier.step, config.max_batch, config.max_wait_ms / 1000, name="verifier", own_thread=False)
-    servicer = VerifyServicer(batcher, loaded, config, metrics)
+    servicer = VerifyServicer(batcher, loaded, config, metrics, local.methods)
     start_sweeper(batcher, config.session_ttl_s)
     register = lambda server: verify_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, server)  # noqa: E731
     run_service(SERVICE_NAME, register, config, batcher, tracing)

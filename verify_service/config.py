@@ -37,8 +37,18 @@ class VerifyConfig(TracingOptions):
     compile_steps: bool = field(
         True,
         "torch.compile the target's decode and verify forwards on a CPU (needs a C++ compiler) before serving: "
-        "start-up takes about half a minute longer",
+        "start-up takes about half a minute longer; a colocated draft's steps compile in the background",
     )
+    draft_model: str = field(
+        "",
+        "directory of a draft model the verifier runs itself (colocated drafting): requests with method "
+        "draft_model then decode round after round inside the verifier, no call per round (empty: none)",
+    )
+    early_exit_layers: int = field(
+        0, "serve method early_exit here from the target's own first layers (0: not served here)"
+    )
+    ngram_max: int = field(4, "longest suffix the colocated ngram drafter looks up")
+    support_size: int = field(32, "colocated draft tokens are drawn from the draft's top support_size tokens")
     max_workers: int = field(
         300, "gRPC worker threads (concurrent calls in flight; each Decode stream holds one while it lasts)"
     )
@@ -71,6 +81,9 @@ class VerifyConfig(TracingOptions):
         check(self.max_model_len >= 2, "max_model_len must be >= 2")
         check(self.max_batched_tokens >= 1, "max_batched_tokens must be >= 1")
         check(self.threads >= 0, "threads must be >= 0")
+        check(self.early_exit_layers >= 0, "early_exit_layers must be >= 0")
+        check(self.ngram_max >= 1, "ngram_max must be >= 1")
+        check(self.support_size >= 1, "support_size must be >= 1")
         parse_cpus(self.cpus)
         check(self.max_workers >= 4, "max_workers must be >= 4")
         check(

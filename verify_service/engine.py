@@ -8,8 +8,9 @@ from one forward over [last verified token, d_1..d_K]. *Accepted tokens* are the
 drafts the rejection rule keeps; after a rejection the *recovered token* is drawn from
 norm(max(0, p_j - q_j)), and when all K are kept the *bonus token* from p_{K+1}. A round
 therefore emits between 1 and K+1 tokens and the output follows p exactly. *num_verified*
-is the length of the verified sequence a call assumes. A decode (target-only) is a run of
-rounds without drafts that stays in the service: one token per batch until it is done.
+is the length of the verified sequence a call assumes. A decode is a run of rounds that
+stays in the service, one round per batch until it is done: target-only (one token each),
+or speculative with draft tokens the verifier makes itself (verify_service/local_drafts.py).
 
 All methods run on the batcher's single worker thread, so sessions need no locks.
 """
@@ -32,8 +33,10 @@ from specserve.metrics import ServiceMetrics
 from specserve.models import LoadedModel
 from specserve.protocol import SparseDistribution, check_token_ids
 from specserve.sampling import SamplingParams, processed_probs, verify_noise
-from specserve_kernels.rejection import greedy_verify, rejection_sample
+from specserve.speculation import Speculation
+from specserve_kernels.rejection import rejection_sample
 from verify_service.config import VerifyConfig
+from verify_service.local_drafts import DraftTiming, LocalDrafting, SessionDrafts
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +59,10 @@ class VerifyJob:
 
 @dataclass(frozen=True)
 class DecodeJob:
-    """Up to max_tokens target-only tokens, one per batch. emit gets each token's Outcome on
-    the worker thread; ended, once set (the call is over), stops the decode before its next
-    token, or before its first."""
+    """Up to max_tokens tokens, one round per batch: target-only, or speculative with local
+    drafts when speculation is set. emit gets each round's Outcome on the worker thread;
+    ended, once set (the call is over), stops the decode before its next round, or before
+    its first."""
 
     session_id: str
     num_verified: int
@@ -67,6 +71,7 @@ class DecodeJob:
     emit: Callable[[Outcome], None]
     ended: threading.Event
     session: Session | None = None  # the session it decodes into, from its first token on
+    speculation: Speculation | None = None
 
     def as_verify(self) -> VerifyJob:
         return VerifyJob(self.session_id, self.num_verified, (), (), self.sampling)
@@ -93,11 +98,20 @@ class Outcome:
     next_token_id: int
     num_verified: int
     batch_size: int
-    # Wall-clock times (time.time_ns) of the batch this call ran in: start, forward done,
-    # decision done. Spans and metrics are made from them on the caller's thread.
+    accepted_token_ids: tuple[int, ...] = ()  # the drafts kept, before next_token_id
+    num_draft_tokens: int = 0  # K verified
+    # Wall-clock times (time.time_ns) of the batch this call ran in: drafting (colocated;
+    # 0 when none), start of the forward, forward done, decision done. Spans and metrics are
+    # made from them on the caller's thread.
+    draft_started_ns: int = 0
+    draft_ended_ns: int = 0
     batch_started_ns: int = 0
     forward_ended_ns: int = 0
     decided_ns: int = 0
+
+    @property
+    def draft_seconds(self) -> float:
+        return (self.draft_ended_ns - self.draft_started_ns) / 1e9
 
     @property
     def forward_seconds(self) -> float:
@@ -114,6 +128,8 @@ class Session:
     sequence: KVSequence
     sampling: SamplingParams
     last_used: float = field(default_factory=time.monotonic)
+    drafts: SessionDrafts | None = None  # colocated drafting, from its first speculative decode
+    last_decided_ns: int = 0  # a decode's previous round; 0 before the first round of a Decode call
 
 
 @dataclass
@@ -131,15 +147,25 @@ class _Row:
     is_prefill: bool
     logits: torch.Tensor | None = None  # [num_draft + 1, vocab] float32
     batch_size: int = field(default=1)
+    drafted_locally: bool = False  # a speculative decode's round: its drafts are the verifier's own
 
 
 class Verifier:
-    def __init__(self, loaded: LoadedModel, config: VerifyConfig, metrics: ServiceMetrics | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: VerifyConfig,
+        metrics: ServiceMetrics | None = None,
+        local: LocalDrafting | None = None,
+    ):
+        """local drafts for speculative decodes (colocated drafting); None: decodes run
+        target-only."""
         self.loaded = loaded
         self.backend = loaded.backend
         self.config = config
         self.sessions: dict[str, Session] = {}
         self.metrics = metrics
+        self.local = local
 
     def step(self, jobs: list[Job]) -> list[Outcome | Again | None | BaseException]:
         """Processes one batch: one forward for every session, one kernel call per sampling
@@ -172,6 +198,7 @@ class Verifier:
         if not rows:
             return results
         try:
+            drafted = self._draft_locally(jobs, rows)
             started = time.time_ns()
             self._forward([row for _, row in rows])
             forwarded = time.time_ns()
@@ -185,7 +212,9 @@ class Verifier:
                     self._release(row.session_id)
             raise
         for (index, row), (num_accepted, next_token) in zip(rows, decisions):
-            outcome = dataclasses.replace(self._commit(row, num_accepted, next_token), **timing)
+            row_timing = timing if not row.drafted_locally else {**timing, "draft_started_ns": drafted.started_ns,
+                                                                 "draft_ended_ns": drafted.ended_ns}  # fmt: skip
+            outcome = dataclasses.replace(self._commit(row, num_accepted, next_token), **row_timing)
             job = jobs[index]
             results[index] = self._decoded(job, outcome) if isinstance(job, DecodeJob) else outcome
         self._observe(len(rows), (forwarded - started) / 1e9)
@@ -204,18 +233,21 @@ class Verifier:
             )
 
     def _decoded(self, job: DecodeJob, outcome: Outcome) -> Outcome | Again:
-        """Hands a decode's token to its caller; Again while it goes on."""
+        """Hands a decode's round to its caller; Again while it goes on."""
         job.emit(outcome)
+        session = self.sessions[job.session_id]
+        self._observe_round(job, session, outcome)
+        made = outcome.num_accepted + 1
         done = (
             job.ended.is_set()
-            or job.max_tokens <= 1
+            or job.max_tokens <= made
             or outcome.next_token_id in self.loaded.eos_token_ids
             or outcome.num_verified >= self.loaded.max_context_length
         )
         if done:
             return outcome
-        return Again(dataclasses.replace(job, num_verified=outcome.num_verified, max_tokens=job.max_tokens - 1,
-                                         session=self.sessions[job.session_id]))  # fmt: skip
+        return Again(dataclasses.replace(job, num_verified=outcome.num_verified, max_tokens=job.max_tokens - made,
+                                         session=session))  # fmt: skip
 
     def _observe(self, rows: int, forward_seconds: float) -> None:
         if self.metrics is not None:
@@ -238,6 +270,8 @@ class Verifier:
         session = self.sessions.pop(session_id, None)
         if session is not None:
             self.backend.close(session.sequence)
+            if self.local is not None:
+                self.local.close(session.drafts)
         if self.metrics is not None:
             self.metrics.active_sessions.set(len(self.sessions))
             self.metrics.kv_slots_in_use.set(self.backend.in_use)
@@ -247,8 +281,56 @@ class Verifier:
             return self._prepare_prefill(job)
         if isinstance(job, DecodeJob):
             require(job.max_tokens >= 1, "max_tokens must be at least 1")
-            return self._prepare_verify(job.as_verify())
+            row = self._prepare_verify(job.as_verify())
+            if job.speculation is not None:
+                self._prepare_drafts(job, row.session)
+            return row
         return self._prepare_verify(job)
+
+    def _observe_round(self, job: DecodeJob, session: Session, outcome: Outcome) -> None:
+        """Feeds a decode's round to the K choice: all it took since the previous round (since
+        its batch started, for a call's first)."""
+        if job.session is None:
+            session.last_decided_ns = 0
+        since = session.last_decided_ns or outcome.draft_started_ns or outcome.batch_started_ns
+        session.last_decided_ns = outcome.decided_ns
+        if self.local is None:
+            return
+        round_s = (outcome.decided_ns - since) / 1e9
+        if job.speculation is not None:
+            session.drafts.observe(outcome, round_s)
+        else:
+            self.local.observe_target_only(outcome, round_s)
+
+    def _prepare_drafts(self, job: DecodeJob, session: Session) -> None:
+        """The session's colocated drafting for a speculative decode (its first round: opened
+        or, for other settings, replaced; a new call's rounds time themselves afresh)."""
+        methods = self.local.methods if self.local is not None else ("none",)
+        require(job.speculation.method in methods,
+                f"this verifier drafts for {', '.join(methods)}, not {job.speculation.method}")  # fmt: skip
+        require(
+            job.speculation.num_speculative_tokens <= self.config.max_speculative_tokens,
+            f"at most {self.config.max_speculative_tokens} draft tokens per round",
+        )
+        session.drafts = self.local.session_drafts(session.drafts, job.speculation)
+
+    def _draft_locally(self, jobs: list[Job], rows: list[tuple[int, _Row]]) -> DraftTiming | None:
+        """Drafts every speculative decode's round at once, before the batch's forward: each
+        row's K from its session's chooser, its drafts into the row."""
+        speculative = [(jobs[i], row) for i, row in rows if isinstance(jobs[i], DecodeJob) and jobs[i].speculation]
+        if not speculative:
+            return None
+        wanted = []
+        for job, row in speculative:
+            room = min(job.max_tokens, self.loaded.max_context_length - len(row.session.tokens) + 1)
+            row.session.drafts.k = row.session.drafts.chooser.next_k(room)
+            wanted.append((row.session.drafts, row.session.tokens, row.session.drafts.k, row.sampling))
+        proposals, timing = self.local.propose(wanted)
+        for (_, row), proposal in zip(speculative, proposals):
+            row.drafts, row.distributions = proposal.draft_token_ids, proposal.draft_distributions
+            row.feed = [row.feed[0], *row.drafts]
+            row.drafted_locally = True
+        return timing
 
     def _prepare_prefill(self, job: PrefillJob) -> _Row:
         require(bool(job.session_id), "session_id must not be empty")
@@ -261,6 +343,9 @@ class Verifier:
         existing = self.sessions.get(job.session_id)
         if existing is not None:  # a restart of the session reuses its cache slot
             existing.sequence.truncate(0)
+            if self.local is not None:
+                self.local.close(existing.drafts)
+                existing.drafts = None
             sequence, is_new = existing.sequence, False
         else:
             sequence, is_new = self.backend.open(), True  # raises ResourceExhausted when full
@@ -333,12 +418,16 @@ class Verifier:
         return decisions
 
     def _decide_greedy(self, rows: list[_Row]) -> list[tuple[int, int]]:
-        if all(not row.drafts for row in rows):
-            # Target-only rows (K = 0): the rule reduces to the argmax, no padding or kernel.
-            return [(0, int(torch.argmax(row.logits[-1]))) for row in rows]
-        logits, drafts, num_draft = self._pad_rows(rows, [row.logits for row in rows])
-        output, num_accepted = greedy_verify(logits, drafts, num_draft)
-        return _unpack(output, num_accepted)
+        """Accept while d_i == argmax p_i; the next token is the argmax after the last one
+        kept. One argmax over every row's logits, then a walk in Python: microseconds, where
+        padding the rows for a kernel cost a few hundred."""
+        argmax = torch.cat([row.logits for row in rows]).argmax(-1).tolist()  # [sum of K + 1]
+        decisions, end = [], 0
+        for row in rows:
+            best, end = argmax[end : end + len(row.drafts) + 1], end + len(row.drafts) + 1
+            kept = next((i for i, (d, b) in enumerate(zip(row.drafts, best)) if d != b), len(row.drafts))
+            decisions.append((kept, best[kept]))
+        return decisions
 
     def _decide_sampled(self, rows: list[_Row]) -> list[tuple[int, int]]:
         probs = [processed_probs(row.logits, row.sampling) for row in rows]
@@ -381,13 +470,22 @@ class Verifier:
         return scores, drafts.to(device), num_draft.to(device)
 
     def _commit(self, row: _Row, num_accepted: int, next_token: int) -> Outcome:
+        num_accepted, next_token = self._stop_at_end_of_sequence(row.drafts, num_accepted, next_token)
         session = row.session
-        session.tokens.extend(row.drafts[:num_accepted])
+        accepted = tuple(row.drafts[:num_accepted])
+        session.tokens.extend(accepted)
         session.tokens.append(next_token)
         session.sequence.truncate(len(session.tokens) - 1)
         session.last_used = time.monotonic()
         self.sessions[row.session_id] = session
-        return Outcome(num_accepted, next_token, len(session.tokens), row.batch_size)
+        return Outcome(num_accepted, next_token, len(session.tokens), row.batch_size, accepted, len(row.drafts))
+
+    def _stop_at_end_of_sequence(self, drafts: tuple[int, ...], num_accepted: int, next_token: int) -> tuple[int, int]:
+        """A round ends at an accepted end-of-sequence draft: it becomes the round's last token."""
+        for i, token in enumerate(drafts[:num_accepted]):
+            if token in self.loaded.eos_token_ids:
+                return i, token
+        return num_accepted, next_token
 
 
 def _unpack(output: torch.Tensor, num_accepted: torch.Tensor) -> list[tuple[int, int]]:

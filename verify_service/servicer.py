@@ -12,6 +12,7 @@ from specserve.metrics import ServiceMetrics
 from specserve.models import LoadedModel
 from specserve.protocol import SparseDistribution, model_info
 from specserve.sampling import SamplingParams
+from specserve.speculation import Speculation
 from specserve.telemetry import record_span
 from specserve.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from verify_service.config import VerifyConfig
@@ -21,12 +22,19 @@ SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 
 
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
-    def __init__(self, batcher: Batcher, loaded: LoadedModel, config: VerifyConfig, metrics: ServiceMetrics):
+    def __init__(
+        self,
+        batcher: Batcher,
+        loaded: LoadedModel,
+        config: VerifyConfig,
+        metrics: ServiceMetrics,
+        local_methods: tuple[str, ...] = (),
+    ):
         self._batcher = batcher
         self._loaded = loaded
         self._config = config
         self._metrics = metrics
-        self._info = model_info(loaded, config.max_speculative_tokens)
+        self._info = model_info(loaded, config.max_speculative_tokens, local_methods)
 
     def _run(self, job) -> Outcome:
         """Submits a job; records its queue, forward and kernel time as spans and metrics."""
@@ -39,7 +47,12 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
     def _record(self, outcome: Outcome, waiting_since_ns: int) -> None:
         self._metrics.queue_seconds.observe(max(0, outcome.batch_started_ns - waiting_since_ns) / 1e9)
         attributes = {"specserve.batch_size": outcome.batch_size}
-        record_span("verifier.queue", waiting_since_ns, max(waiting_since_ns, outcome.batch_started_ns))
+        if outcome.draft_started_ns:  # a round drafted here (colocated)
+            record_span("verifier.queue", waiting_since_ns, max(waiting_since_ns, outcome.draft_started_ns))
+            record_span("draft.forward", outcome.draft_started_ns, outcome.draft_ended_ns,
+                        {"specserve.k": outcome.num_draft_tokens})  # fmt: skip
+        else:
+            record_span("verifier.queue", waiting_since_ns, max(waiting_since_ns, outcome.batch_started_ns))
         record_span("target.forward", outcome.batch_started_ns, outcome.forward_ended_ns, attributes)
         record_span("kernel.rejection_sample", outcome.forward_ended_ns, outcome.decided_ns, attributes)
 
@@ -67,14 +80,16 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         )
 
     def Decode(self, request: verify_pb2.DecodeRequest, context) -> Iterator[verify_pb2.DecodeResponse]:
-        """Streams the tokens the worker makes, one per batch: it goes on to the next token
+        """Streams the rounds the worker makes, one per batch: it goes on to the next round
         without waiting for this thread or the caller, and makes none once the call has ended."""
         made: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
         ended = threading.Event()
         context.add_callback(ended.set)  # the call ended: finished, cancelled or timed out
 
         sampling = _sampling_of(request)
-        job = DecodeJob(request.session_id, request.num_verified, request.max_tokens, sampling, made.put, ended)
+        speculation = Speculation.from_proto(request.speculation) if request.HasField("speculation") else None
+        job = DecodeJob(request.session_id, request.num_verified, request.max_tokens, sampling, made.put, ended,
+                        speculation=speculation)  # fmt: skip
         self._metrics.queue_depth.set(self._batcher.pending)
         since = time.time_ns()  # the previous token's decision; the call's arrival for the first
         future = self._batcher.submit_async(job)
@@ -89,6 +104,9 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                     server_seconds=max(0, outcome.decided_ns - since) / 1e9,
                     forward_seconds=outcome.forward_seconds,
                     kernel_seconds=outcome.kernel_seconds,
+                    accepted_token_ids=outcome.accepted_token_ids,
+                    num_draft_tokens=outcome.num_draft_tokens,
+                    draft_seconds=outcome.draft_seconds,
                 )
                 since = outcome.decided_ns
             future.result()  # raises the decode's error, after the tokens made before it

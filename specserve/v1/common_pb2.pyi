@@ -27,7 +27,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_context_length", "eos_token_ids", "max_speculative_tokens", "tokenizer_fingerprint", "device")
+    __slots__ = ("model_name", "vocab_size", "max_context_length", "eos_token_ids", "max_speculative_tokens", "tokenizer_fingerprint", "device", "local_methods")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class ModelInfo(_message.Message):
     MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_METHODS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_context_length: int
@@ -42,7 +43,8 @@ class ModelInfo(_message.Message):
     max_speculative_tokens: int
     tokenizer_fingerprint: str
     device: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    local_methods: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., local_methods: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -86,9 +86,11 @@ class VerifyServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """Target-only decoding: samples tokens one after another, each as a Verify without
-        drafts would, and streams each as it is made, without waiting for the caller between
-        tokens. Each token's forward is batched with the other calls of its moment.
+        """Decoding that stays in the service: round after round, streamed as each is made,
+        without waiting for the caller in between. Target-only (no speculation), each round is
+        one token, as a Verify without drafts would give; with speculation, the service drafts
+        each round's tokens itself (colocated drafting: ModelInfo.local_methods) and verifies
+        them as Verify would. Each round's forward is batched with the other calls of its moment.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -42,9 +42,11 @@ class VerifyServiceStub:
     Verify: _grpc.UnaryUnaryMultiCallable[_verify_pb2.VerifyRequest, _verify_pb2.VerifyResponse]
     """Scores draft tokens, keeps the accepted ones and samples the next token."""
     Decode: _grpc.UnaryStreamMultiCallable[_verify_pb2.DecodeRequest, _verify_pb2.DecodeResponse]
-    """Target-only decoding: samples tokens one after another, each as a Verify without
-    drafts would, and streams each as it is made, without waiting for the caller between
-    tokens. Each token's forward is batched with the other calls of its moment.
+    """Decoding that stays in the service: round after round, streamed as each is made,
+    without waiting for the caller in between. Target-only (no speculation), each round is
+    one token, as a Verify without drafts would give; with speculation, the service drafts
+    each round's tokens itself (colocated drafting: ModelInfo.local_methods) and verifies
+    them as Verify would. Each round's forward is batched with the other calls of its moment.
     """
     Release: _grpc.UnaryUnaryMultiCallable[_verify_pb2.ReleaseRequest, _verify_pb2.ReleaseResponse]
     """Frees a session's target KV cache. Releasing an unknown session is not an error."""
@@ -64,9 +66,11 @@ class VerifyServiceAsyncStub(VerifyServiceStub):
     Verify: _aio.UnaryUnaryMultiCallable[_verify_pb2.VerifyRequest, _verify_pb2.VerifyResponse]  # type: ignore[assignment]
     """Scores draft tokens, keeps the accepted ones and samples the next token."""
     Decode: _aio.UnaryStreamMultiCallable[_verify_pb2.DecodeRequest, _verify_pb2.DecodeResponse]  # type: ignore[assignment]
-    """Target-only decoding: samples tokens one after another, each as a Verify without
-    drafts would, and streams each as it is made, without waiting for the caller between
-    tokens. Each token's forward is batched with the other calls of its moment.
+    """Decoding that stays in the service: round after round, streamed as each is made,
+    without waiting for the caller in between. Target-only (no speculation), each round is
+    one token, as a Verify without drafts would give; with speculation, the service drafts
+    each round's tokens itself (colocated drafting: ModelInfo.local_methods) and verifies
+    them as Verify would. Each round's forward is batched with the other calls of its moment.
     """
     Release: _aio.UnaryUnaryMultiCallable[_verify_pb2.ReleaseRequest, _verify_pb2.ReleaseResponse]  # type: ignore[assignment]
     """Frees a session's target KV cache. Releasing an unknown session is not an error."""
@@ -101,9 +105,11 @@ class VerifyServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _verify_pb2.DecodeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_verify_pb2.DecodeResponse], _abc.AsyncIterator[_verify_pb2.DecodeResponse]]:
-        """Target-only decoding: samples tokens one after another, each as a Verify without
-        drafts would, and streams each as it is made, without waiting for the caller between
-        tokens. Each token's forward is batched with the other calls of its moment.
+        """Decoding that stays in the service: round after round, streamed as each is made,
+        without waiting for the caller in between. Target-only (no speculation), each round is
+        one token, as a Verify without drafts would give; with speculation, the service drafts
+        each round's tokens itself (colocated drafting: ModelInfo.local_methods) and verifies
+        them as Verify would. Each round's forward is batched with the other calls of its moment.
         """
 
     @_abc_1.abstractmethod

@@ -1,5 +1,7 @@
 """The drafter: extends each session's draft state with the newly verified tokens and
 proposes up to K draft tokens, each with the exact sparse distribution q_i it was drawn from.
+The draft service runs it for the gateway's rounds; the verifier runs one of its own for
+requests it drafts for itself (colocated drafting, no round trip per round).
 
 Methods: "draft_model" (a small model of its own), "early_exit" (the target's first layers,
 final norm and LM head) and "ngram" (no model: copy what followed the latest earlier
@@ -20,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.config import DraftConfig
 from specserve.backends import Backend, ForwardRow, KVSequence, forward_in_budget
 from specserve.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted, require
 from specserve.metrics import ServiceMetrics
@@ -31,6 +32,23 @@ from specserve.sampling import SamplingParams, processed_probs, sample_sparse, t
 log = logging.getLogger(__name__)
 
 METHODS = ("draft_model", "early_exit", "ngram")
+
+# A catch-up of at most this many tokens per row runs as one step of token rows (the accepted
+# drafts the cache lacks and the round's last token, usually); a new session's prompt in chunks.
+CATCH_UP_STEP_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """What a drafter needs to know of its host service."""
+
+    vocab_size: int
+    max_context_length: int
+    max_sessions: int
+    max_speculative_tokens: int = 16
+    support_size: int = 32  # draft tokens are drawn from the draft's top support_size tokens, renormalised
+    ngram_max: int = 4  # longest suffix the ngram drafter looks up
+    max_batched_tokens: int = 2048
 
 
 @dataclass
@@ -73,6 +91,7 @@ class _Drafting:
     job: DraftJob
     verified: list[int]
     k: int
+    start: int = 0  # where the job's tokens start: the session's cache held the verified tokens before it
     drafts: list[int] = field(default_factory=list)
     distributions: list[SparseDistribution] = field(default_factory=list)
     bonus_guess: int = -1
@@ -83,11 +102,11 @@ class _Drafting:
 
 
 class Drafter:
-    def __init__(self, models: dict[str, LoadedModel], config: DraftConfig, metrics: ServiceMetrics | None = None):
-        """models maps "draft_model" (and "early_exit" when served) to loaded models."""
+    def __init__(self, models: dict[str, LoadedModel], options: DraftOptions, metrics: ServiceMetrics | None = None):
+        """models maps the model methods served ("draft_model", "early_exit") to loaded models;
+        "ngram" needs none and is always served."""
         self.models = models
-        self.loaded = models["draft_model"]
-        self.config = config
+        self.options = options
         self.metrics = metrics
         self._sessions = 0
         self._lock = threading.Lock()  # open and close come from stream threads
@@ -98,8 +117,8 @@ class Drafter:
         if method != "ngram" and method not in self.models:
             raise InvalidArgument(f"{method} is not served here (start the draft service with --early-exit-model)")
         with self._lock:
-            if self._sessions >= self.config.max_sessions:
-                raise ResourceExhausted(f"the draft service holds its maximum of {self.config.max_sessions} sessions")
+            if self._sessions >= self.options.max_sessions:
+                raise ResourceExhausted(f"the drafter holds its maximum of {self.options.max_sessions} sessions")
             sequence = None if method == "ngram" else self.models[method].backend.open()
             self._sessions += 1
             self._observe_sessions()
@@ -125,11 +144,13 @@ class Drafter:
         groups: dict[str, list[tuple[int, _Drafting]]] = {}
         for index, job in enumerate(jobs):
             try:
-                groups.setdefault(job.session.method, []).append((index, self._start(job)))
+                drafting = self._start(job)
             except Exception as error:  # noqa: BLE001 - one bad request must not fail its batch
                 if not isinstance(error, RequestError):
                     log.exception("drafting failed")
                 results[index] = error
+                continue
+            groups.setdefault(job.session.method, []).append((index, drafting))
         started = time.time_ns()
         for method, group in groups.items():
             self._run_group(method, [drafting for _, drafting in group])
@@ -161,53 +182,72 @@ class Drafter:
     def _start(self, job: DraftJob) -> _Drafting:
         self._check(job)
         start = job.num_verified - len(job.tokens)
-        verified = job.session.verified[:start] + list(job.tokens)  # a start before the end rewinds
-        room = self.loaded.max_context_length - len(verified) - (1 if job.want_bonus_guess else 0)
-        return _Drafting(job, verified, max(0, min(job.num_speculative_tokens, room)))
+        verified = job.session.verified  # extended in place: what it holds up to start stays verified
+        del verified[start:]  # a start before the end rewinds
+        verified.extend(job.tokens)
+        room = self.options.max_context_length - len(verified) - (1 if job.want_bonus_guess else 0)
+        return _Drafting(job, verified, max(0, min(job.num_speculative_tokens, room)), start=start)
 
     def _ngram(self, d: _Drafting) -> None:
-        d.drafts = ngram_drafts(d.verified, d.k, self.config.ngram_max)
+        d.drafts = ngram_drafts(d.verified, d.k, self.options.ngram_max)
         if not d.job.sampling.is_greedy:
             d.distributions = [SparseDistribution((t,), (1.0,)) for t in d.drafts]
 
     def _draft_all(self, backend: Backend, batch: list[_Drafting]) -> None:
-        rows = [self._catch_up_row(d) for d in batch]
-        logits = [x[-1] for x in forward_in_budget(backend, rows, self.config.max_batched_tokens)]  # [vocab] each
+        """Per position, one forward over the rows still drafting: a catch-up on the verified
+        tokens first, then one token per row. Each forward gives the last token's logits and
+        argmax (a greedy draft's token) of each row."""
+        logits, argmax = self._catch_up(backend, [self._catch_up_row(d) for d in batch])
         i = 0
         while True:
-            for d, row_logits in zip(batch, logits):
+            for b, d in enumerate(batch):
                 if d.draws_at(i):
-                    self._draw_into(d, row_logits, i)
+                    self._draw_into(d, logits[b], argmax[b], i)
             continuing = [b for b, d in enumerate(batch) if d.draws_at(i + 1)]
             if not continuing:
                 return
             feed = [ForwardRow(batch[b].job.session.sequence, [batch[b].drafts[-1]], 1) for b in continuing]
-            for b, new_logits in zip(continuing, backend.forward(feed)):
+            new_logits, new_argmax = backend.forward_last(feed)
+            for j, b in enumerate(continuing):
                 batch[b].job.session.cached_tokens.append(batch[b].drafts[-1])
-                logits[b] = new_logits[-1]
+                logits[b], argmax[b] = new_logits[j], new_argmax[j]
             i += 1
 
-    def _draw_into(self, d: _Drafting, logits: torch.Tensor, i: int) -> None:
+    def _catch_up(self, backend: Backend, rows: list[ForwardRow]) -> tuple[list[torch.Tensor], list[int]]:
+        """Each row's last logits [vocab] and argmax after feeding it: rows of a few tokens in
+        one step, long ones (a new session's prompt) in the token budget's chunks."""
+        if all(len(row.tokens) <= CATCH_UP_STEP_TOKENS for row in rows):
+            logits, argmax = backend.forward_last(rows)
+            return list(logits), argmax
+        logits = [x[-1] for x in forward_in_budget(backend, rows, self.options.max_batched_tokens)]
+        return logits, [int(x.argmax()) for x in logits]
+
+    def _draw_into(self, d: _Drafting, logits: torch.Tensor, argmax: int, i: int) -> None:
+        """Position i's draw from the draft's logits [vocab] (argmax: their argmax, a greedy
+        request's draw)."""
         sampling, position = d.job.sampling, len(d.verified) + i
         if i == d.k:  # the bonus guess: a draw like the others, kept apart
-            d.bonus_guess = self._draw(logits, sampling, position)[0]
+            d.bonus_guess = argmax if sampling.is_greedy else self._draw(logits, sampling, position)[0]
             return
         if d.job.min_draft_probability > 0 and _top_probability(logits, sampling) < d.job.min_draft_probability:
             d.k = i  # not confident: stop here, and make no bonus guess
             return
-        token, distribution = self._draw(logits, sampling, position)
+        token, distribution = (argmax, None) if sampling.is_greedy else self._draw(logits, sampling, position)
         d.drafts.append(token)
         if distribution is not None:
             d.distributions.append(distribution)
 
     def _catch_up_row(self, d: _Drafting) -> ForwardRow:
         """Crops the cache to its longest prefix still verified (accepted drafts stay) and
-        feeds the rest, ending with the last verified token, whose logits start the draft."""
-        session = d.job.session
-        keep = min(_common_prefix(session.cached_tokens, d.verified), len(d.verified) - 1)
+        feeds the rest, ending with the last verified token, whose logits start the draft.
+        The cache matches the verified tokens at least up to where this round's tokens start."""
+        session, verified = d.job.session, d.verified
+        cached = session.cached_tokens
+        keep = min(_common_prefix(cached, verified, min(d.start, len(cached))), len(verified) - 1)
         session.sequence.truncate(keep)
-        session.cached_tokens = list(d.verified)
-        return ForwardRow(session.sequence, d.verified[keep:], 1)
+        del cached[keep:]
+        cached.extend(verified[keep:])
+        return ForwardRow(session.sequence, verified[keep:], 1)
 
     def _check(self, job: DraftJob) -> None:
         start = job.num_verified - len(job.tokens)
@@ -218,12 +258,12 @@ class Drafter:
             )
         require(job.num_verified >= 1, "the verified sequence must not be empty")
         require(
-            1 <= job.num_speculative_tokens <= self.config.max_speculative_tokens,
-            f"num_speculative_tokens must lie in 1..{self.config.max_speculative_tokens}",
+            1 <= job.num_speculative_tokens <= self.options.max_speculative_tokens,
+            f"num_speculative_tokens must lie in 1..{self.options.max_speculative_tokens}",
         )
         require(0 <= job.min_draft_probability <= 1, "min_draft_probability must lie in [0, 1]")
-        check_token_ids(job.tokens, self.loaded.vocab_size, "tokens")
-        require(job.num_verified <= self.loaded.max_context_length, "the sequence exceeds the draft's context window")
+        check_token_ids(job.tokens, self.options.vocab_size, "tokens")
+        require(job.num_verified <= self.options.max_context_length, "the sequence exceeds the draft's context window")
 
     def _draw(
         self, logits: torch.Tensor, sampling: SamplingParams, position: int
@@ -231,7 +271,7 @@ class Drafter:
         if sampling.is_greedy:
             return int(torch.argmax(logits)), None
         probs = processed_probs(logits[None], sampling)[0]  # [vocab]
-        ids, q = truncate_to_support(probs, self.config.support_size)
+        ids, q = truncate_to_support(probs, self.options.support_size)
         token = sample_sparse(ids, q, sampling.seed, position)
         return token, SparseDistribution(tuple(ids.tolist()), tuple(q.tolist()))
 
@@ -255,9 +295,10 @@ def _top_probability(logits: torch.Tensor, sampling: SamplingParams) -> float:
     return float(processed_probs(logits[None], sampling)[0].max())
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
+    """The length of a's and b's common prefix, known to be at least start."""
     n = min(len(a), len(b))
-    for i in range(n):
+    for i in range(start, n):
         if a[i] != b[i]:
             return i
     return n

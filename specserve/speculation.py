@@ -1,0 +1,278 @@
+"""How a session speculates: the settings a request asks for, and the choice of each round's
+K (and of whether to draft at all) from what the session measures as it runs.
+
+DESIGN.md's model: a round of K draft tokens costs K draft steps, a verify of K + 1 tokens
+and the round's overhead (decision, bookkeeping, the wire), and yields E(K) tokens, the
+accepted drafts plus one. Target-only decoding yields one token per target step. KChooser
+picks each round's K, 0 (a target-only round) included, with the most expected tokens per
+second, so that speculation does not make a session slower than the target alone. The
+costs are RoundCosts, running estimates shared by every session in one process (a cost
+belongs to the models and the machine, and a short request must not start blind); how often
+each draft position is accepted is the session's own (it belongs to the text), starting from
+its method's running average across sessions. A session that stopped
+drafting tries a round of drafts again after a stretch of target-only tokens that doubles
+while drafts keep not paying.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specserve.errors import require
+from specserve.v1 import verify_pb2
+
+METHODS = ("draft_model", "early_exit", "ngram")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What a request asks of its rounds; num_speculative_tokens is K, or where an adaptive
+    choice starts."""
+
+    method: str = "draft_model"
+    num_speculative_tokens: int = 4
+    adaptive: bool = True
+    k_bounds: tuple[int, int] = (0, 8)  # the adaptive choice's range; 0: it may stop drafting
+    min_draft_probability: float = 0.0
+
+    def __post_init__(self) -> None:
+        require(self.method in METHODS, f"speculation method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        require(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1")
+        low, high = self.k_bounds
+        require(
+            0 <= low <= high and high >= 1,
+            f"adaptive K bounds must satisfy 0 <= min <= max, max >= 1; got {low}, {high}",
+        )
+        require(0 <= self.min_draft_probability <= 1, "min_draft_probability must lie in [0, 1]")
+
+    @classmethod
+    def from_proto(cls, message: verify_pb2.Speculation) -> Speculation:
+        return cls(
+            method=message.method or "draft_model",
+            num_speculative_tokens=message.num_speculative_tokens,
+            adaptive=message.adaptive,
+            k_bounds=(message.adaptive_k_min, message.adaptive_k_max or message.num_speculative_tokens),
+            min_draft_probability=message.min_draft_probability,
+        )
+
+    def to_proto(self) -> verify_pb2.Speculation:
+        return verify_pb2.Speculation(
+            method=self.method,
+            num_speculative_tokens=self.num_speculative_tokens,
+            adaptive=self.adaptive,
+            adaptive_k_min=self.k_bounds[0],
+            adaptive_k_max=self.k_bounds[1],
+            min_draft_probability=self.min_draft_probability,
+        )
+
+
+# Running estimates forget at this rate per observation: acceptance changes from one stretch
+# of a text to the next (boilerplate, then a new idea), and costs with the load.
+DECAY = 0.9
+# A session's acceptance starts as its method's average worth this many rounds; before any
+# is known, a position is taken to be kept half the time.
+PRIOR_WEIGHT, PRIOR_ACCEPTANCE = 2.0, 0.5
+SMOOTHING = 0.5  # rounds' worth of PRIOR_ACCEPTANCE in every rate: one rejection is not a rate of 0
+# How much dearer each further verified token makes a verify, relative to one token, until two
+# sizes have been measured (about what a CPU's per-token attention costs; less on a GPU).
+PRIOR_VERIFY_SLOPE = 0.05
+# Target-only tokens before drafting is tried again, doubling while drafts do not pay.
+PROBE_STRETCH = (8, 128)
+# A verify size's weight in the line through the sizes grows with its samples up to this.
+MAX_POINT_WEIGHT = 20
+# A round that kept every draft is followed by at least one more (the sizes past it are
+# untried, and a text that copies keeps every draft for long stretches).
+
+
+class _Average:
+    """An exponentially weighted mean; None until the first sample."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else DECAY * self.value + (1 - DECAY) * sample
+
+
+class RoundCosts:
+    """Running estimates (seconds) of round costs in one process, shared by its sessions: a
+    draft step of each method, a verify by the tokens it verifies (K + 1), and the rest of a
+    round, with and without drafts."""
+
+    def __init__(self) -> None:
+        self.draft_step: dict[str, _Average] = {}
+        self.verify: dict[int, _Average] = {}
+        self.verify_counts: dict[int, int] = {}
+        self.overhead = {True: _Average(), False: _Average()}
+
+    def observe(self, method: str, k: int, draft_s: float | None, verify_s: float, round_s: float) -> None:
+        """A round of k drafts of method; draft_s None where its drafting was not a round's
+        usual work (a new session's draft reads its whole prompt first)."""
+        if k and draft_s is not None:
+            self.draft_step.setdefault(method, _Average()).add(draft_s / k)
+        self.verify.setdefault(k + 1, _Average()).add(verify_s)
+        self.verify_counts[k + 1] = self.verify_counts.get(k + 1, 0) + 1
+        self.overhead[k > 0].add(max(0.0, round_s - (draft_s or 0.0) - verify_s))
+
+    def verify_seconds(self, tokens: int) -> float | None:
+        """A verify of `tokens` tokens, from a line through the sizes measured (least squares,
+        each size weighted by how often it was seen; its slope at least 0, and
+        PRIOR_VERIFY_SLOPE of one token's cost while only one size is known). A line, not the
+        sizes' own averages: those are noisy, and an unlucky size would be avoided for good."""
+        points = [(n, a.value, count) for n, (a, count) in self._verify_points() if a.value is not None]
+        if not points:
+            return None
+        weight = sum(c for _, _, c in points)
+        mean_n = sum(n * c for n, _, c in points) / weight
+        mean_v = sum(v * c for _, v, c in points) / weight
+        spread = sum(c * (n - mean_n) ** 2 for n, _, c in points)
+        if spread > 0:
+            slope = max(0.0, sum(c * (n - mean_n) * (v - mean_v) for n, v, c in points) / spread)
+        else:  # one size: a prior slope, relative to one token's cost
+            slope = mean_v * PRIOR_VERIFY_SLOPE / (1 + PRIOR_VERIFY_SLOPE * (mean_n - 1))
+        return max(0.0, mean_v + slope * (tokens - mean_n))
+
+    def _verify_points(self):
+        return ((n, (a, min(self.verify_counts.get(n, 0), MAX_POINT_WEIGHT))) for n, a in self.verify.items())
+
+    def round_seconds(self, method: str, k: int) -> float | None:
+        """A round of k drafts of method (0: a target-only token); None until its parts are
+        measured."""
+        verify = self.verify_seconds(k + 1)
+        draft = self.draft_step.get(method)
+        if verify is None or (k and (draft is None or draft.value is None)):
+            return None
+        overhead = self.overhead[k > 0].value
+        if overhead is None:
+            overhead = self.overhead[k == 0].value or 0.0
+        return k * (draft.value if k else 0.0) + verify + overhead
+
+
+class Acceptance:
+    """How often each draft position is kept once the ones before it were: decayed counts
+    per position (0 = the first draft)."""
+
+    def __init__(self, prior: Acceptance | None = None):
+        self.reached: list[float] = []  # rounds that drafted the position with every earlier one kept
+        self.kept: list[float] = []  # rounds that kept it
+        if prior is not None:  # the method's average, worth PRIOR_WEIGHT rounds
+            rates = [prior.rate(i) for i in range(len(prior.reached))]
+            self.reached = [PRIOR_WEIGHT] * len(rates)
+            self.kept = [PRIOR_WEIGHT * rate for rate in rates]
+
+    def rate(self, position: int) -> float:
+        """P(kept | every earlier draft kept); positions past the deepest one reached take its
+        rate."""
+        i = min(position, len(self.reached) - 1)
+        if i < 0 or self.reached[i] <= 0:
+            return PRIOR_ACCEPTANCE
+        return (self.kept[i] + SMOOTHING * PRIOR_ACCEPTANCE) / (self.reached[i] + SMOOTHING)
+
+    def expected_tokens(self, k: int) -> float:
+        """E(K): accepted drafts plus the recovered or bonus token."""
+        total, survive = 1.0, 1.0
+        for position in range(k):
+            survive *= self.rate(position)
+            total += survive
+        return total
+
+    def observe(self, k: int, num_accepted: int) -> None:
+        if k == 0:
+            return
+        self.reached = [r * DECAY for r in self.reached]
+        self.kept = [a * DECAY for a in self.kept]
+        reached = min(num_accepted + 1, k)
+        while len(self.reached) < reached:
+            self.reached.append(0.0)
+            self.kept.append(0.0)
+        for i in range(reached):
+            self.reached[i] += 1
+        for i in range(num_accepted):
+            self.kept[i] += 1
+
+
+@dataclass
+class Shared:
+    """What the sessions of one process learn together: the round costs, and each method's
+    acceptance."""
+
+    costs: RoundCosts = field(default_factory=RoundCosts)
+    acceptance: dict[str, Acceptance] = field(default_factory=dict)
+
+    def method_acceptance(self, method: str) -> Acceptance:
+        return self.acceptance.setdefault(method, Acceptance())
+
+
+class KChooser:
+    """One session's K per round: fixed (not adaptive), or the K in its bounds with the most
+    expected tokens per second under the shared costs and the session's acceptance (see the
+    module docstring)."""
+
+    def __init__(self, speculation: Speculation, shared: Shared | None = None, max_k: int | None = None):
+        """shared: what this process's sessions learn together (a fresh one for a session
+        alone); max_k: the most draft tokens a round may verify (the service's limit)."""
+        max_k = max(speculation.k_bounds[1], speculation.num_speculative_tokens) if max_k is None else max_k
+        self.speculation = speculation
+        self.method = speculation.method
+        self.shared = shared or Shared()
+        self.acceptance = Acceptance(self.shared.method_acceptance(self.method))
+        self.low = min(speculation.k_bounds[0], max_k)
+        self.high = min(speculation.k_bounds[1], max_k)
+        self.start = min(speculation.num_speculative_tokens, max_k)
+        self._probe_in = 0  # target-only tokens left before drafts are tried again
+        self._probe_due = False  # the stretch is over: the next round drafts
+        self._stretch = PROBE_STRETCH[0]
+        self._at_least = 0  # after a round that kept every draft: one more than it had
+
+    def next_k(self, remaining: int) -> int:
+        """K for the next round of a session that may make `remaining` more tokens."""
+        room = max(0, remaining - 1)
+        if not self.speculation.adaptive:
+            return min(self.start, room)
+        if self._probe_in > 0:
+            return 0
+        if self._probe_due:  # a round of drafts, to measure whether they pay again
+            self._probe_due = False
+            return self.best_k(room, lowest=1)
+        best = self.best_k(room, lowest=self._at_least)
+        if best == 0 and room > 0:
+            self._probe_in = self._stretch
+            self._stretch = min(2 * self._stretch, PROBE_STRETCH[1])
+        elif best > 0:
+            self._stretch = PROBE_STRETCH[0]
+        return best
+
+    @property
+    def target_only_tokens(self) -> int:
+        """Target-only tokens left before drafting is tried again (0: none are due)."""
+        return self._probe_in
+
+    def best_k(self, room: int, lowest: int = 0) -> int:
+        """The K in bounds (and at least lowest, at most room) with the most expected tokens
+        per second; the asked K, within them, until the costs it needs are measured."""
+        high = min(self.high, room)
+        low = min(max(self.low, lowest), high)
+        costs = self.shared.costs
+        if costs.round_seconds(self.method, 1) is None or costs.round_seconds(self.method, 0) is None:
+            return max(low, min(self.start, high))  # K = 0's or drafts' costs not yet known
+        best, best_rate = low, -1.0
+        for k in range(low, high + 1):
+            seconds = costs.round_seconds(self.method, k)
+            rate = self.acceptance.expected_tokens(k) / seconds if seconds else 0.0
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def observe(self, k: int, num_accepted: int, draft_s: float | None, verify_s: float, round_s: float) -> None:
+        """A round of k drafts (0: target-only, one token) kept num_accepted of them; draft_s
+        is its drafting (None: not a usual round's, see RoundCosts.observe), verify_s its
+        verify forward and decision, round_s all it took."""
+        if k == 0 and self._probe_in > 0:
+            self._probe_in -= 1
+            self._probe_due = self._probe_in == 0
+        self._at_least = k + 1 if k and num_accepted == k else 0
+        self.shared.costs.observe(self.method, k, draft_s, verify_s, round_s)
+        self.acceptance.observe(k, num_accepted)
+        self.shared.method_acceptance(self.method).observe(k, num_accepted)

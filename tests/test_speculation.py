@@ -1,0 +1,115 @@
+"""The choice of K: from measured costs and acceptance, 0 (no drafts) included, and back."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.errors import InvalidArgument
+from specserve.speculation import PROBE_STRETCH, Acceptance, KChooser, RoundCosts, Shared, Speculation
+
+ADAPTIVE = Speculation("draft_model", 4, adaptive=True, k_bounds=(0, 8))
+
+
+def costs(draft_step: float, verify_one: float, per_token: float, overhead: float = 0.0) -> Shared:
+    """Shared estimates as if measured: a draft step, and verifies of 1 to 9 tokens."""
+    shared = Shared()
+    for k in range(9):
+        draft = draft_step * k if k else None
+        verify = verify_one + per_token * k
+        for _ in range(30):
+            shared.costs.observe("draft_model", k, draft, verify, (draft or 0.0) + verify + overhead)
+    return shared
+
+
+def test_fixed_k_stays_but_never_runs_past_max_tokens():
+    chooser = KChooser(Speculation("draft_model", 4, adaptive=False))
+    chooser.observe(4, 0, 0.001, 0.002, 0.004)
+    assert [chooser.next_k(remaining) for remaining in (64, 5, 3, 1)] == [4, 4, 2, 0]
+
+
+def test_cheap_drafts_that_are_kept_get_a_large_k():
+    shared = costs(draft_step=0.0001, verify_one=0.002, per_token=0.0001)
+    chooser = KChooser(ADAPTIVE, shared)
+    for _ in range(20):
+        chooser.observe(4, 4, 0.0004, 0.0024, 0.003)  # every draft kept
+    assert chooser.next_k(100) >= 6
+
+
+def test_dear_drafts_that_are_rejected_stop_drafting_then_try_again():
+    shared = costs(draft_step=0.002, verify_one=0.002, per_token=0.0005)
+    chooser = KChooser(ADAPTIVE, shared)
+    for _ in range(20):
+        chooser.observe(2, 0, 0.004, 0.003, 0.007)  # nothing kept
+    assert chooser.next_k(100) == 0
+    assert chooser.target_only_tokens == PROBE_STRETCH[0]
+    for _ in range(PROBE_STRETCH[0] - 1):
+        assert chooser.next_k(100) == 0
+        chooser.observe(0, 0, None, 0.002, 0.002)
+    chooser.observe(0, 0, None, 0.002, 0.002)
+    assert chooser.next_k(100) >= 1  # the stretch is over: a round of drafts, to measure again
+    chooser.observe(1, 0, 0.002, 0.0025, 0.0045)
+    assert chooser.next_k(100) == 0 and chooser.target_only_tokens == 2 * PROBE_STRETCH[0]  # doubled
+
+
+def test_a_round_that_kept_every_draft_is_followed_by_a_longer_one_within_bounds():
+    shared = costs(draft_step=0.001, verify_one=0.002, per_token=0.001)
+    chooser = KChooser(Speculation("draft_model", 3, adaptive=True, k_bounds=(1, 5)), shared)
+    chooser.observe(3, 3, 0.003, 0.005, 0.008)
+    assert chooser.next_k(100) >= 4
+    chooser.observe(5, 5, 0.005, 0.007, 0.012)
+    assert chooser.next_k(100) == 5  # not past the upper bound
+    assert chooser.next_k(3) == 2  # nor past max_tokens
+
+
+def test_costs_unknown_start_at_the_asked_k():
+    assert KChooser(ADAPTIVE).next_k(100) == 4
+
+
+def test_verify_cost_is_a_line_through_the_sizes_seen():
+    measured = RoundCosts()
+    assert measured.verify_seconds(3) is None
+    measured.observe("draft_model", 4, 0.001, 0.006, 0.008)  # one size: a prior slope
+    assert measured.verify_seconds(5) == pytest.approx(0.006)
+    assert 0 < measured.verify_seconds(1) < 0.006
+    for _ in range(5):
+        measured.observe("draft_model", 0, None, 0.002, 0.0025)
+        measured.observe("draft_model", 4, 0.001, 0.006, 0.008)
+    assert measured.verify_seconds(1) == pytest.approx(0.002, rel=0.05)
+    assert measured.verify_seconds(3) == pytest.approx(0.004, rel=0.05)
+    assert measured.round_seconds("ngram", 2) is None  # no ngram draft measured yet
+    assert measured.round_seconds("draft_model", 0) == pytest.approx(0.0025, rel=0.05)
+
+
+def test_expected_tokens_follow_the_rates_of_each_position():
+    seen = Acceptance()
+    for _ in range(200):
+        seen.observe(2, 2)
+    # Counts decay to about ten rounds, and half a round of 0.5 smooths each rate.
+    assert seen.expected_tokens(2) == pytest.approx(3.0, rel=0.03)
+    assert seen.expected_tokens(4) == pytest.approx(5.0, rel=0.06)  # past the deepest: its rate
+    never = Acceptance()
+    for _ in range(200):
+        never.observe(4, 0)
+    assert never.expected_tokens(4) == pytest.approx(1.0, abs=0.03)
+
+
+def test_a_session_starts_from_its_methods_acceptance_across_sessions():
+    shared = Shared()
+    KChooser(ADAPTIVE, shared).observe(4, 4, 0.001, 0.003, 0.004)
+    fresh = KChooser(ADAPTIVE, shared)
+    assert fresh.acceptance.rate(0) > 0.5  # the first session kept everything
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"method": "bogus"}, {"num_speculative_tokens": 0}, {"k_bounds": (3, 2)}, {"k_bounds": (0, 0)},
+     {"min_draft_probability": 1.5}, {"min_draft_probability": float("nan")}],
+)  # fmt: skip
+def test_bad_speculation_settings_are_invalid(fields):
+    with pytest.raises(InvalidArgument):
+        Speculation(**fields)
+
+
+def test_speculation_travels_in_its_message():
+    sent = Speculation("ngram", 6, adaptive=True, k_bounds=(1, 9), min_draft_probability=0.25)
+    assert Speculation.from_proto(sent.to_proto()) == sent

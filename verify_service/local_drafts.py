@@ -1,0 +1,133 @@
+"""Colocated drafting: the verifier drafts for a session itself, so that a speculative Decode
+runs round after round without leaving the service, no call per round and no hop between
+the draft and the verify.
+
+The drafter is specserve's (the draft service runs the same one): its draft model, the
+target's own first layers (early exit) or n-gram lookup (always served: it needs no model).
+Each session keeps its draft state and its KChooser, which picks each round's K from the
+session's measured costs and acceptance. Everything runs on the verifier's worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from specserve.drafting import Drafter, DraftJob, DraftSession, Proposal
+from specserve.errors import RequestError
+from specserve.speculation import KChooser, Shared, Speculation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SessionDrafts:
+    """A verifier session's colocated drafting: its draft state and its choice of K."""
+
+    speculation: Speculation
+    draft: DraftSession
+    chooser: KChooser
+    k: int = 0  # this round's K, as chosen
+    drafted_rounds: int = 0
+
+    def observe(self, outcome, round_s: float) -> None:
+        """Feeds a round's Outcome to the chooser: its drafting (not the first's, which reads
+        the prompt), its verify (forward and decision) and all it took (round_s)."""
+        verify_s = (outcome.decided_ns - outcome.batch_started_ns) / 1e9
+        draft_s = outcome.draft_seconds if self.drafted_rounds else None
+        self.drafted_rounds += outcome.num_draft_tokens > 0
+        self.chooser.observe(outcome.num_draft_tokens, outcome.num_accepted, draft_s, verify_s, round_s)
+
+
+@dataclass(frozen=True)
+class LocalProposal:
+    """One session's drafts for this round (none: a target-only round)."""
+
+    draft_token_ids: tuple[int, ...] = ()
+    draft_distributions: tuple = ()
+
+
+@dataclass
+class DraftTiming:
+    """When the batch's drafting ran (time.time_ns), shared by its rows."""
+
+    started_ns: int = 0
+    ended_ns: int = 0
+    rows: int = field(default=0)
+
+    @property
+    def seconds(self) -> float:
+        return (self.ended_ns - self.started_ns) / 1e9
+
+
+class LocalDrafting:
+    def __init__(self, drafter: Drafter, max_speculative_tokens: int):
+        self.drafter = drafter
+        self.max_speculative_tokens = max_speculative_tokens
+        self.shared = Shared()  # what the sessions learn together: round costs, acceptance
+        vocab = drafter.options.vocab_size
+        self._larger_vocabulary = any(m.vocab_size > vocab for m in drafter.models.values())
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return (*self.drafter.models, "ngram")
+
+    def session_drafts(self, current: SessionDrafts | None, speculation: Speculation) -> SessionDrafts:
+        """The session's drafting for these settings: the current one, or a new one (the old
+        one closed) when the settings changed."""
+        if current is not None and current.speculation == speculation:
+            return current
+        self.close(current)
+        draft = self.drafter.open_session("", speculation.method)  # raises for a method not served
+        return SessionDrafts(speculation, draft, KChooser(speculation, self.shared, self.max_speculative_tokens))
+
+    def observe_target_only(self, outcome, round_s: float) -> None:
+        """A target-only decode's token: what a round without drafts costs."""
+        verify_s = (outcome.decided_ns - outcome.batch_started_ns) / 1e9
+        self.shared.costs.observe("none", 0, None, verify_s, round_s)
+
+    def close(self, drafts: SessionDrafts | None) -> None:
+        if drafts is not None:
+            self.drafter.close_session(drafts.draft)
+
+    def propose(
+        self, jobs: list[tuple[SessionDrafts, list[int], int, object]]
+    ) -> tuple[list[LocalProposal], DraftTiming]:
+        """Drafts for (session drafts, verified tokens, K, sampling) of every row at once;
+        a row whose drafting fails runs target-only this round."""
+        timing = DraftTiming(started_ns=time.time_ns())
+        wanted = [i for i, (_, _, k, _) in enumerate(jobs) if k > 0]
+        out = [LocalProposal()] * len(jobs)
+        if wanted:
+            draft_jobs = [self._job(*jobs[i]) for i in wanted]
+            for i, proposal in zip(wanted, self._step(draft_jobs)):
+                if isinstance(proposal, Proposal):
+                    out[i] = self._in_vocabulary(proposal)
+                elif not isinstance(proposal, RequestError):
+                    log.warning("colocated drafting failed (%s); the round runs target-only", proposal)
+        timing.ended_ns = time.time_ns()
+        timing.rows = len(wanted)
+        return out, timing
+
+    def _in_vocabulary(self, proposal: Proposal) -> LocalProposal:
+        """The proposal up to its first position that reaches past the target's vocabulary (a
+        draft may pad its output layer to more ids than the target's)."""
+        ids, distributions = proposal.draft_token_ids, proposal.draft_distributions
+        if self._larger_vocabulary:
+            vocab = self.drafter.options.vocab_size
+            outside = [i for i, token in enumerate(ids) if token >= vocab or
+                       (distributions and max(distributions[i].token_ids) >= vocab)]  # fmt: skip
+            keep = outside[0] if outside else len(ids)
+            ids, distributions = ids[:keep], distributions[:keep]
+        return LocalProposal(ids, distributions)
+
+    def _job(self, drafts: SessionDrafts, verified: list[int], k: int, sampling) -> DraftJob:
+        known = len(drafts.draft.verified)  # a prefix of verified: the session only grows
+        return DraftJob(drafts.draft, tuple(verified[known:]), len(verified), k, sampling,
+                        drafts.speculation.min_draft_probability)  # fmt: skip
+
+    def _step(self, jobs: list[DraftJob]) -> list:
+        # The target's torch threads draft too: setting another count per round would clear
+        # oneDNN's cache of kernels and fail the compiled steps' guards (a recompile).
+        return self.drafter.step(jobs)
