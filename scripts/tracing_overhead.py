@@ -66,16 +66,16 @@ def free() -> int:
 
 
 def start(target: str, draft: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    port, draft_metrics = free(), free()
+    port, verify_metrics = free(), free()
     command = [sys.executable, "-m", "specserve.cli", "up", "--port", str(port), "--draft-port", str(free()),
-               "--verify-port", str(free()), "--draft-metrics-port", str(draft_metrics), "--verify-metrics-port",
-               str(free()), "--target", target, "--draft", draft]  # fmt: skip
+               "--verify-port", str(free()), "--draft-metrics-port", str(free()), "--verify-metrics-port",
+               str(verify_metrics), "--target", target, "--draft", draft]  # fmt: skip
     process = subprocess.Popen(command, env={**os.environ, **env}, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                wait_for_compiled_steps(draft_metrics, time.monotonic() + 300)
+                wait_for_compiled_steps(verify_metrics, time.monotonic() + 300)
                 return process, url
         except httpx.HTTPError:
             pass

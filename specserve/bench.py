@@ -2,16 +2,19 @@
 measured side by side in one run, and explained with DESIGN.md's model.
 
 Rows per (workload, temperature, clients): target-only through the stack (method "none"),
-speculative through the stack for each K, and, with one client, transformers' generate() of
-the target alone and with the draft as its assistant model, in this process. Requests of
-every row interleave prompt by prompt, so load elsewhere on the machine hits all rows alike:
-compare ratios within one run, not absolute figures across runs.
+speculative through the stack for each K (and adaptive K), and, with one client,
+transformers' generate() of the target alone (in float32 and float16) and with the draft as
+its assistant model, in this process. Requests of every row interleave prompt by prompt, so
+load elsewhere on the machine hits all rows alike: compare ratios within one run, not
+absolute figures across runs.
 
-For each speculative row: alpha (acceptance rate), the mean accepted length E (tokens per
-round), c = draft cost per token / target step cost, v = verify pass cost / target step
-cost, h = the rest of a round (wire, queueing, orchestration) / target step cost, where the
-target step cost is the verifier's forward time per round of the "none" row; the predicted
-speedup E / (K c + v) (h = 0) and E / (K c + v + h) next to the measured one.
+For each speculative row, DESIGN.md's decomposition of a round, every cost relative to one
+target step t (the verifier's forward time per token of the "none" row): alpha (acceptance
+rate), E (tau: tokens per round), K (mean draft tokens per drafted round), c (a draft step:
+drafting time per draft token / t), v (the verify forward / t) and h (the rest of a round:
+the decision, the services' bookkeeping, the wire and the gateway, / t); the speedup the
+model predicts for decoding, E (1 + h0) / (K c + v + h), where h0 is the "none" row's own
+overhead per token, next to the measured one (which also counts the time to first token).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class Row:
     clients: int
     method: str  # none | draft_model | early_exit | ngram | hf_target | hf_assisted
     k: int = 0
+    dtype: str = ""  # of the transformers rows' models
     adaptive: bool = False
     pipeline: bool = False
     min_draft_probability: float = 0.0
@@ -72,13 +76,15 @@ class Row:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     rounds: int = 0
+    rounds_by_k: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     accepted_per_position: list[int] = field(default_factory=list)
     batch_sizes: dict[str, int] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
-        return row_label(self.method, self.k, self.adaptive, self.pipeline, self.min_draft_probability)
+        label = row_label(self.method, self.k, self.adaptive, self.pipeline, self.min_draft_probability)
+        return f"{label} {self.dtype}" if self.dtype else label
 
     @property
     def tokens_per_s(self) -> float:
@@ -99,6 +105,8 @@ class Row:
                 self.timings[key] = self.timings.get(key, 0.0) + value
         for size, count in timings.get("batch_sizes", {}).items():
             self.batch_sizes[size] = self.batch_sizes.get(size, 0) + count
+        for k, count in timings.get("rounds_by_k", {}).items():
+            self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + count
         positions = timings.get("accepted_per_position", [])
         self.accepted_per_position.extend([0] * (len(positions) - len(self.accepted_per_position)))
         for i, count in enumerate(positions):
@@ -107,8 +115,8 @@ class Row:
 
 def row_label(method: str, k: int, adaptive: bool = False, pipeline: bool = False, min_p: float = 0.0) -> str:
     if method in SPECULATIVE:
-        return (f"{method} K={k}" + (" adaptive" if adaptive else "") + (f" p>={min_p:g}" if min_p else "")
-                + (" pipelined" if pipeline else ""))  # fmt: skip
+        size = f"adaptive from K={k}" if adaptive else f"K={k}"
+        return f"{method} {size}" + (f" p>={min_p:g}" if min_p else "") + (" pipelined" if pipeline else "")
     return method
 
 
@@ -126,19 +134,30 @@ def analyse(row: Row, baseline: Row | None) -> dict:
     if baseline is None or not baseline.tokens_per_s:
         return out
     out["measured_speedup"] = row.tokens_per_s / baseline.tokens_per_s
-    step = baseline.per_round("verify_forward_seconds")  # one target step
-    if row.method not in SPECULATIVE or not row.num_drafts or not step:
+    step = baseline.per_round("verify_forward_seconds")  # one target step, t
+    if not step or not row.rounds:
         return out
-    alpha = row.num_accepted_tokens / row.num_draft_tokens
-    mean_length = (row.num_accepted_tokens + row.num_drafts) / row.num_drafts
+    out["target_step_ms"] = step * 1000
+    out["h"] = _rest_of_round(row) / step  # the none row: its own overhead per token, h0
+    if row.method not in SPECULATIVE or not row.num_drafts:
+        return out
+    tau = (row.num_accepted_tokens + row.rounds) / row.rounds  # target-only rounds (K = 0) count 1
+    k = row.num_draft_tokens / row.num_drafts  # mean K of the rounds that drafted
     c = row.timings.get("draft_server_seconds", 0.0) / row.num_draft_tokens / step
     v = row.per_round("verify_forward_seconds") / step
-    busy = row.per_round("draft_server_seconds") + row.per_round("verify_forward_seconds")
-    h = (row.per_round("draft_seconds") + row.per_round("verify_seconds") - busy) / step
-    k = row.num_draft_tokens / row.num_drafts  # mean K actually sent (shorter near max_tokens)
-    out.update(alpha=alpha, mean_accepted_length=mean_length, c=c, v=v, h=h,
-               predicted_speedup_h0=mean_length / (k * c + v), predicted_speedup=mean_length / (k * c + v + h))  # fmt: skip
+    h0 = _rest_of_round(baseline) / step
+    drafted = row.num_drafts / row.rounds
+    out.update(alpha=row.num_accepted_tokens / row.num_draft_tokens, tau=tau, mean_k=k, c=c, v=v,
+               mean_accepted_length=(row.num_accepted_tokens + row.num_drafts) / row.num_drafts,
+               predicted_speedup=tau * (1 + h0) / (drafted * k * c + v + out["h"]))  # fmt: skip
     return out
+
+
+def _rest_of_round(row: Row) -> float:
+    """Seconds per round outside the draft and the verify forward: the decision, the
+    services' bookkeeping, the wire and the gateway."""
+    total = row.per_round("draft_seconds") + row.per_round("verify_seconds")
+    return total - row.per_round("draft_server_seconds") - row.per_round("verify_forward_seconds")
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -214,18 +233,20 @@ def run_stack_row(url: str, prompts: list, row: Row, max_tokens: int) -> None:
 
 
 class Transformers:
-    """transformers' generate(), target alone or with the draft as assistant, in this process."""
+    """transformers' generate(), target alone or with the draft as assistant, in this process,
+    with the models in each dtype asked for."""
 
-    def __init__(self, target_dir: str, draft_dir: str):
+    def __init__(self, target_dir: str, draft_dir: str, dtypes: list[str]):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-        self.draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+        load = lambda path, dtype: AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()  # noqa: E731
+        self.models = {dtype: (load(target_dir, dtype), load(draft_dir, dtype)) for dtype in dtypes}
 
     def run(self, prompts: list, row: Row, max_tokens: int) -> None:
+        target, draft = self.models[row.dtype]
         for seed, prompt in enumerate(prompts):
             if isinstance(prompt, list):
                 text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
@@ -237,10 +258,10 @@ class Transformers:
                 kwargs["temperature"] = row.temperature
                 self.torch.manual_seed(seed)
             if row.method == "hf_assisted":
-                kwargs["assistant_model"] = self.draft
+                kwargs["assistant_model"] = draft
             started = time.perf_counter()
             with self.torch.inference_mode():
-                out = self.target.generate(ids, attention_mask=self.torch.ones_like(ids), **kwargs)
+                out = target.generate(ids, attention_mask=self.torch.ones_like(ids), **kwargs)
             row.wall_seconds += time.perf_counter() - started
             row.requests += 1
             row.completion_tokens += out.shape[1] - ids.shape[1]
@@ -262,7 +283,8 @@ def plan_rows(args) -> list[Row]:
                 if args.pipeline:
                     rows += [Row(workload, temperature, clients, "draft_model", k, pipeline=True) for k in args.k]
                 if clients == 1 and args.transformers:
-                    rows += [Row(workload, temperature, 1, "hf_target"), Row(workload, temperature, 1, "hf_assisted")]
+                    rows += [Row(workload, temperature, 1, "hf_target", dtype=dtype) for dtype in args.hf_dtypes]
+                    rows.append(Row(workload, temperature, 1, "hf_assisted", dtype=args.hf_dtypes[0]))
     return rows
 
 
@@ -271,7 +293,7 @@ def run(args, url: str) -> list[Row]:
 
     rows = plan_rows(args)
     prompts = {w: workload_prompts(w, args.prompts) for w in args.workloads}
-    hf = Transformers(args.target, args.draft) if args.transformers else None
+    hf = Transformers(args.target, args.draft, args.hf_dtypes) if args.transformers else None
     with httpx.Client() as client:  # warm-up: the first calls pay for lazy initialisation
         stream_one(client, url, prompts[args.workloads[0]][0], Row("code", 0.0, 1, "draft_model", args.k[0]), 8, 0)
     # Interleave: prompt by prompt, every row of a group gets its turn.
@@ -298,7 +320,7 @@ def results(rows: list[Row]) -> list[dict]:
         single = next((r for r in rows if (r.workload, r.temperature, r.label) ==
                        (row.workload, row.temperature, row.label) and r.clients == 1), None)  # fmt: skip
         record = {"workload": row.workload, "temperature": row.temperature, "clients": row.clients, "method": row.method,
-                  "k": row.k, "adaptive": row.adaptive, "pipeline": row.pipeline, "min_draft_probability": row.min_draft_probability, "label": row.label,
+                  "k": row.k, "dtype": row.dtype, "adaptive": row.adaptive, "pipeline": row.pipeline, "min_draft_probability": row.min_draft_probability, "label": row.label,
                   "requests": row.requests, "completion_tokens": row.completion_tokens,
                   **analyse(row, baseline)}  # fmt: skip
         if single is not None and single.tokens_per_s:
@@ -306,6 +328,7 @@ def results(rows: list[Row]) -> list[dict]:
         record["ms_per_round"] = {k: row.per_round(k) * 1000 for k in
                                   ("draft_server_seconds", "draft_seconds", "verify_forward_seconds",
                                    "verify_kernel_seconds", "verify_seconds", "wire_seconds")}  # fmt: skip
+        record["rounds_by_k"] = row.rounds_by_k
         positions = row.accepted_per_position
         record["acceptance_by_position"] = [n / row.num_drafts for n in positions] if row.num_drafts else []
         record["batch_sizes"] = row.batch_sizes
@@ -317,12 +340,14 @@ def results(rows: list[Row]) -> list[dict]:
     return out
 
 
-def markdown(records: list[dict]) -> str:
-    def f(value, digits=2):
-        return "-" if value is None else f"{value:.{digits}f}"
+def _f(value, digits=2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
-    lines = ["| workload | T | clients | method | tokens/s | vs none | TTFT p50 ms | ITL p50/p99 ms | alpha | E | c | v | h "
-             "| predicted (h=0) | predicted | bytes/round |",
+
+def markdown(records: list[dict]) -> str:
+    """The results table, then where each row's rounds spent their time."""
+    lines = ["| workload | T | clients | method | tokens/s | vs none | TTFT p50 ms | ITL p50/p99 ms | alpha | tau | K "
+             "| c | v | h | predicted | bytes/round |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in records:
         method = r["label"]
@@ -330,9 +355,28 @@ def markdown(records: list[dict]) -> str:
             method += f" ({r['drafted_rounds']:.0%} of rounds drafted)"
         lines.append(
             f"| {r['workload']} | {r['temperature']} | {r['clients']} | {method} | {r['tokens_per_s']:.1f} "
-            f"| {f(r.get('measured_speedup'))}x | {f(r.get('ttft_p50_ms'), 1)} | {f(r.get('itl_p50_ms'), 1)}/{f(r.get('itl_p99_ms'), 1)} "
-            f"| {f(r.get('alpha'))} | {f(r.get('mean_accepted_length'))} | {f(r.get('c'), 3)} | {f(r.get('v'))} | {f(r.get('h'))} "
-            f"| {f(r.get('predicted_speedup_h0'))}x | {f(r.get('predicted_speedup'))}x | {f(r.get('bytes_per_round'), 0)} |"
+            f"| {_f(r.get('measured_speedup'))}x | {_f(r.get('ttft_p50_ms'), 1)} | {_f(r.get('itl_p50_ms'), 1)}/{_f(r.get('itl_p99_ms'), 1)} "
+            f"| {_f(r.get('alpha'))} | {_f(r.get('tau'))} | {_f(r.get('mean_k'), 1)} | {_f(r.get('c'), 3)} | {_f(r.get('v'))} "
+            f"| {_f(r.get('h'))} | {_f(r.get('predicted_speedup'))}x | {_f(r.get('bytes_per_round'), 0)} |"
+        )
+    return "\n".join(lines) + "\n\n" + round_split(records)
+
+
+def round_split(records: list[dict]) -> str:
+    """ms per round of each stack row: drafting, the verify forward, the rest (decision,
+    bookkeeping, wire, gateway), and the K each round verified."""
+    lines = ["| workload | T | clients | method | target step ms | draft | verify forward | rest | round | rounds by K |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in records:
+        if r["method"] in ("hf_target", "hf_assisted") or not r.get("ms_per_round"):
+            continue
+        ms = r["ms_per_round"]
+        total = ms["draft_seconds"] + ms["verify_seconds"]
+        rest = total - ms["draft_server_seconds"] - ms["verify_forward_seconds"]
+        by_k = " ".join(f"{k}:{n}" for k, n in sorted(r.get("rounds_by_k", {}).items(), key=lambda kv: int(kv[0])))
+        lines.append(
+            f"| {r['workload']} | {r['temperature']} | {r['clients']} | {r['label']} | {_f(r.get('target_step_ms'))} "
+            f"| {ms['draft_server_seconds']:.2f} | {ms['verify_forward_seconds']:.2f} | {rest:.2f} | {total:.2f} | {by_k} |"
         )
     return "\n".join(lines)
 
@@ -406,12 +450,14 @@ def start_stack(args, with_ports: bool = False):
             sock.bind(("127.0.0.1", 0))
             return sock.getsockname()[1]
 
-    ports = {"gateway": free(), "draft": free(), "verify": free(), "draft_metrics": free()}
+    draft_service = getattr(args, "draft_service", False)
+    ports = {"gateway": free(), "draft": free(), "verify": free(), "draft_metrics": free(), "verify_metrics": free()}
     command = [sys.executable, "-m", "specserve.cli", "up", "--port", str(ports["gateway"]),
                "--draft-port", str(ports["draft"]), "--verify-port", str(ports["verify"]),
-               "--draft-metrics-port", str(ports["draft_metrics"]), "--verify-metrics-port", str(free()),
+               "--draft-metrics-port", str(ports["draft_metrics"]), "--verify-metrics-port", str(ports["verify_metrics"]),
                "--target", args.target, "--draft", args.draft, "--device", args.device,
-               "--max-speculating-requests", args.max_speculating_requests]  # fmt: skip
+               "--max-speculating-requests", getattr(args, "max_speculating_requests", "auto"),
+               *(["--draft-service"] if draft_service else [])]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{ports['gateway']}"
     deadline = time.monotonic() + 300
@@ -420,7 +466,7 @@ def start_stack(args, with_ports: bool = False):
             raise SystemExit("the stack exited during start-up")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                wait_for_compiled_steps(ports["draft_metrics"], deadline)
+                wait_for_compiled_steps(ports["draft_metrics" if draft_service else "verify_metrics"], deadline)
                 return (process, url, ports) if with_ports else (process, url)
         except httpx.HTTPError:
             pass
@@ -430,8 +476,9 @@ def start_stack(args, with_ports: bool = False):
 
 
 def wait_for_compiled_steps(metrics_port: int, deadline: float) -> None:
-    """Until the draft service has built its compiled steps (specserve:drafter_compiling_steps
-    is 0), which takes a core for seconds after start-up: measuring meanwhile skews every row."""
+    """Until the drafts have built their compiled steps (specserve:drafter_compiling_steps is 0
+    on the metrics port of the service that drafts), which takes a core for seconds after
+    start-up: measuring meanwhile skews every row."""
     said = False
     while time.monotonic() < deadline:
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2).text
@@ -456,7 +503,9 @@ def main(argv: list[str] | None = None) -> int:
         help="of a stack the bench starts (`specserve up`'s): auto speculates on a CPU only while one request "
         "runs; 0 always speculates",
     )
-    parser.add_argument("--quick", action="store_true", help="code, T=0, K=4, one client: under 3 minutes")
+    parser.add_argument("--draft-service", action="store_true",
+                        help="a stack the bench starts drafts in a draft service of its own (`specserve up --draft-service`)")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="code, T=0, K=4 and adaptive, one client: under 3 minutes")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -472,10 +521,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--no-transformers", dest="transformers", action="store_false",
                         help="skip the in-process transformers rows")  # fmt: skip
+    parser.add_argument("--hf-dtypes", nargs="+", default=["float32", "float16"], choices=["float32", "float16", "bfloat16"],
+                        help="dtypes of the transformers rows' models (hf_assisted: the first)")  # fmt: skip
     parser.add_argument("--output", default="bench-results", help="directory for bench.json, bench.md and PNGs")
     args = parser.parse_args(argv)
     if args.quick:
         args.workloads, args.temperatures, args.k, args.concurrency = ["code"], [0.0], [4], [1]
+        args.adaptive = True
         args.prompts, args.max_tokens = min(args.prompts, 6), min(args.max_tokens, 64)
     process, url = (None, args.url) if args.url else start_stack(args)
     try:

@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from specserve.workloads import code_completion_prompts
 
     prompts = code_completion_prompts(12, context_lines=8)
+    args.draft_service = True  # the draft service it kills midway
     process, url, ports = start_stack(args, with_ports=True)
     try:
         with httpx.Client(timeout=300) as client:
