@@ -56,9 +56,15 @@ def _call_onednn_linear_as_is() -> None:
 
 def _linear(x: torch.Tensor, linear: tuple) -> torch.Tensor:
     """x @ matrix.T (+ bias) in the matrix's dtype, returned in x's; linear is from _weights."""
-    matrix, bias, dtype, _, packed = linear
+    matrix, bias, dtype, kind = linear
     h = x.to(dtype)
-    y = torch.ops.mkldnn._linear_pointwise(h, matrix, bias, "none", [], "") if packed else F.linear(h, matrix, bias)
+    if kind == "int8":  # matrix: (int8 rows, their scales)
+        y = torch._weight_int8pack_mm(h, *matrix)
+        y = y if bias is None else y + bias
+    elif kind == "packed":
+        y = torch.ops.mkldnn._linear_pointwise(h, matrix, bias, "none", [], "")
+    else:
+        y = F.linear(h, matrix, bias)
     return y.to(x.dtype)
 
 
@@ -245,8 +251,11 @@ def _with_argmax(step, owner: str):
 
 def _weights(runner) -> dict:
     def linear(m) -> tuple:
-        packed = m.packed is not None
-        return (m.packed if packed else m.weight, m.bias, m.dtype, m.out_features, packed)
+        if m.quantized is not None:
+            return (m.quantized, m.bias, m.dtype, "int8")
+        if m.packed is not None:
+            return (m.packed, m.bias, m.dtype, "packed")
+        return (m.weight, m.bias, m.dtype, "dense")
 
     layers = [
         {"input_norm": layer.input_norm, "post_norm": layer.post_norm, "q_norm": layer.q_norm, "k_norm": layer.k_norm,

@@ -91,11 +91,18 @@ class _Linear:
     verifier's): F.linear's float32 kernels (MKL) round differently for 1, 2-3 and 4 or more
     rows, oneDNN's the same for every count of two or more."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, row_invariant: bool = True):
-        self.dtype, self.device = weight.dtype, weight.device
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, row_invariant: bool = True, int8: bool = False
+    ):
+        """int8: keep the matrix as int8 rows with a bfloat16 scale each (a draft's, where the CPU
+        multiplies bfloat16 natively; see LlamaRunner._draft_int8)."""
         self.out_features, self.in_features = weight.shape
+        self.device = weight.device
+        self.quantized = _quantize_rows(weight) if int8 else None  # rows are multiplied in bfloat16
+        self.dtype = torch.bfloat16 if int8 else weight.dtype
+        weight = None if int8 else weight
         self.bias = bias
-        self.packed = _prepack(weight, row_invariant)
+        self.packed = _prepack(weight, row_invariant) if weight is not None else None
         self.weight = weight if self.packed is None else None
         # oneDNN's float32 product of one row takes another kernel than that of two or more
         # (which agree bitwise whatever the count): a lone row goes in twice.
@@ -103,7 +110,10 @@ class _Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         h = x if x.dtype == self.dtype else x.to(self.dtype)
-        if self.packed is not None:
+        if self.quantized is not None:
+            y = torch._weight_int8pack_mm(h, *self.quantized)
+            y = y if self.bias is None else y + self.bias
+        elif self.packed is not None:
             if self.pad_single and h.shape[0] == 1:
                 y = torch.ops.mkldnn._linear_pointwise(h.expand(2, -1), self.packed, self.bias, "none", [], "")[:1]
             else:
@@ -111,6 +121,24 @@ class _Linear:
         else:
             y = F.linear(h, self.weight, self.bias)
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _int8_products_work() -> bool:
+    """Whether this torch multiplies bfloat16 rows by int8 ones (torch._weight_int8pack_mm)."""
+    try:
+        rows, scales = _quantize_rows(torch.ones(8, 64))
+        return bool(torch._weight_int8pack_mm(torch.ones(1, 64, dtype=torch.bfloat16), rows, scales).eq(64).all())
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: (int8 [out, in], bfloat16 scales [out]), for
+    torch._weight_int8pack_mm."""
+    weight = weight.float()
+    scales = (weight.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    rows = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return rows.contiguous(), scales.to(torch.bfloat16).contiguous()
 
 
 def _prepack(weight: torch.Tensor, row_invariant: bool = True) -> torch.Tensor | None:
@@ -243,6 +271,8 @@ class LlamaRunner:
         self._cos, self._sin = (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
         weights = load_safetensors(Path(directory))
         self.matmul_dtype = matmul_dtype or auto_matmul_dtype(weights, device, dtype)
+        auto_int8 = not row_invariant and matmul_dtype is None and device.type == "cpu" and cpu_has_bf16()
+        self.draft_matmul = "int8" if auto_int8 and _int8_products_work() else ""
         self.exact_attention = exact_attention
         self._exact_attention = attention_kernels.exact_attention
         shapes = (self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim, self.spec.sliding_window)
@@ -352,21 +382,33 @@ class LlamaRunner:
         """The product with the named matrices stacked (q, k, v; gate, up), biases where the
         checkpoint has them, in matmul_dtype (a draft's small ones, see _draft_dtype)."""
         entries = sum(weights[n + ".weight"].numel() for n in names if n + ".weight" in weights)
-        dtype = self._draft_dtype(entries)
+        dtype = torch.float32 if self._draft_int8 else self._draft_dtype(entries)
         biases = [self._maybe(weights, n + ".bias", dtype) for n in names]
         if any(b is not None for b in biases) and any(b is None for b in biases):
             raise UnsupportedModel(f"checkpoint has only some of {', '.join(n + '.bias' for n in names)}")
         bias = None if biases[0] is None else torch.cat(biases).contiguous()
         matrices = [self._take(weights, n + ".weight", dtype) for n in names]
         weight = matrices[0] if len(names) == 1 else torch.cat(matrices).contiguous()
-        return _Linear(weight, bias, self.row_invariant)
+        if self._draft_int8:
+            bias = None if bias is None else bias.to(torch.bfloat16)
+        return _Linear(weight, bias, self.row_invariant, int8=self._draft_int8)
+
+    @property
+    def _draft_int8(self) -> bool:
+        """A draft's matrices are int8 (weight-only, a scale per row) where the CPU multiplies
+        bfloat16 natively and no dtype was asked for: a draft step reads its matrices afresh
+        after every verify, whose target has evicted them from the caches, and int8 rows are
+        the fewest bytes; PyTorch's int8 product with bfloat16 rows is also the fastest for one
+        row of a small matrix. Its proposals round differently from the checkpoint's own, which
+        costs acceptance, never exactness."""
+        return self.draft_matmul == "int8"
 
     def _draft_dtype(self, entries: int) -> torch.dtype:
-        """A draft's matrices of at most SMALL_MATRIX_ENTRIES stay float32 on a CPU: for one
-        row MKL's float32 product of such a matrix takes a few microseconds, oneDNN's 16-bit
-        one about four times as long, all of it per-call overhead, and a draft's results need
-        not be row-independent. Larger ones (an output layer) take matmul_dtype: half the
-        bytes to stream."""
+        """A draft's matrices of at most SMALL_MATRIX_ENTRIES stay float32 on a CPU (without
+        int8, see _draft_int8): for one row MKL's float32 product of such a matrix takes a few
+        microseconds, oneDNN's 16-bit one about four times as long, all of it per-call
+        overhead, and a draft's results need not be row-independent. Larger ones (an output
+        layer) take matmul_dtype: half the bytes to stream."""
         small = not self.row_invariant and self.device.type == "cpu" and entries <= SMALL_MATRIX_ENTRIES
         return torch.float32 if small else self.matmul_dtype
 
@@ -375,7 +417,8 @@ class LlamaRunner:
 
     def _lm_head(self, weights: dict[str, torch.Tensor], embed: torch.Tensor) -> _Linear:
         if self.spec.tie_word_embeddings and "lm_head.weight" not in weights:
-            return _Linear(embed, None, self.row_invariant)
+            tied = self._take(weights, "model.embed_tokens.weight", torch.float32) if self._draft_int8 else embed
+            return _Linear(tied, None, self.row_invariant, int8=self._draft_int8)
         return self._linear(weights, "lm_head")
 
     def _layer(self, weights: dict[str, torch.Tensor], i: int) -> _Layer:

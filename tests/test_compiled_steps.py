@@ -57,8 +57,8 @@ def test_compiled_steps_give_the_eager_logits_without_compiling_again(name, tmp_
 
 
 def check_against_eager(runner: LlamaRunner, eager: LlamaRunner, monkeypatch) -> None:
-    # Logits leave 16-bit matrices in 16 bits: a few units in their last place apart.
-    tolerance = 1e-4 if runner.matmul_dtype == torch.float32 else 5e-2
+    # Logits leave 16-bit (or int8) matrices in 16 bits: a few units in their last place apart.
+    tolerance = 1e-4 if runner.matmul_dtype == torch.float32 and not runner.draft_matmul else 5e-2
     stepped = []
     step = runner.compiled_steps.step
     monkeypatch.setattr(runner.compiled_steps, "step", lambda *args: stepped.append(args[0]) or step(*args))
