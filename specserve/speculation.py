@@ -66,88 +66,106 @@ class Speculation:
         )
 
 
-# Running estimates forget at this rate per observation: acceptance changes from one stretch
-# of a text to the next (boilerplate, then a new idea), and costs with the load.
-DECAY = 0.9
+# Running estimates forget at these rates per observation: costs change with the load,
+# acceptance from one stretch of a text to the next (boilerplate, then a new idea).
+DECAY, ACCEPTANCE_DECAY = 0.9, 0.95
 # A session's acceptance starts as its method's average worth this many rounds; before any
 # is known, a position is taken to be kept half the time.
-PRIOR_WEIGHT, PRIOR_ACCEPTANCE = 2.0, 0.5
+PRIOR_WEIGHT, PRIOR_ACCEPTANCE = 10.0, 0.5
 SMOOTHING = 0.5  # rounds' worth of PRIOR_ACCEPTANCE in every rate: one rejection is not a rate of 0
-# How much dearer each further verified token makes a verify, relative to one token, until two
-# sizes have been measured (about what a CPU's per-token attention costs; less on a GPU).
-PRIOR_VERIFY_SLOPE = 0.05
+# Until two sizes are measured, a size's cost is taken to grow by this share of the cost of
+# size 1 per unit: a verify by about what a CPU's per-token attention costs (less on a GPU);
+# a round's drafting by a draft step, the first of which (a catch-up of the tokens just kept,
+# after the verify has evicted the draft's weights from the caches) costs about twice a later
+# one.
+PRIOR_SLOPE = {"verify": 0.05, "draft": 0.5}
 # Target-only tokens before drafting is tried again, doubling while drafts do not pay.
-PROBE_STRETCH = (8, 128)
-# A verify size's weight in the line through the sizes grows with its samples up to this.
+PROBE_STRETCH = (4, 64)
+# A size's weight in the line through the sizes grows with its samples up to this.
 MAX_POINT_WEIGHT = 20
-# A round that kept every draft is followed by at least one more (the sizes past it are
-# untried, and a text that copies keeps every draft for long stretches).
 
 
 class _Average:
     """An exponentially weighted mean; None until the first sample."""
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "decay")
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = DECAY) -> None:
         self.value: float | None = None
+        self.decay = decay
 
     def add(self, sample: float) -> None:
-        self.value = sample if self.value is None else DECAY * self.value + (1 - DECAY) * sample
+        self.value = sample if self.value is None else self.decay * self.value + (1 - self.decay) * sample
 
 
-class RoundCosts:
-    """Running estimates (seconds) of round costs in one process, shared by its sessions: a
-    draft step of each method, a verify by the tokens it verifies (K + 1), and the rest of a
-    round, with and without drafts."""
+class _Line:
+    """A cost that grows with a size (tokens verified, draft tokens made): a running average
+    per size seen, and a least-squares line through them, each size weighted by how often
+    it was seen. A line, not the sizes' own averages: those are noisy, an unlucky size would
+    be avoided for good, and unseen sizes need a value too."""
 
-    def __init__(self) -> None:
-        self.draft_step: dict[str, _Average] = {}
-        self.verify: dict[int, _Average] = {}
-        self.verify_counts: dict[int, int] = {}
-        self.overhead = {True: _Average(), False: _Average()}
+    def __init__(self, prior_slope: float):
+        self.prior_slope = prior_slope  # of size 1's cost per unit, while one size is known
+        self.averages: dict[int, _Average] = {}
+        self.counts: dict[int, int] = {}
+        self._fit: tuple[float, float, float] | None = None  # (mean size, mean cost, slope), as of the last add
 
-    def observe(self, method: str, k: int, draft_s: float | None, verify_s: float, round_s: float) -> None:
-        """A round of k drafts of method; draft_s None where its drafting was not a round's
-        usual work (a new session's draft reads its whole prompt first)."""
-        if k and draft_s is not None:
-            self.draft_step.setdefault(method, _Average()).add(draft_s / k)
-        self.verify.setdefault(k + 1, _Average()).add(verify_s)
-        self.verify_counts[k + 1] = self.verify_counts.get(k + 1, 0) + 1
-        self.overhead[k > 0].add(max(0.0, round_s - (draft_s or 0.0) - verify_s))
+    def add(self, size: int, seconds: float) -> None:
+        self.averages.setdefault(size, _Average()).add(seconds)
+        self.counts[size] = self.counts.get(size, 0) + 1
+        self._fit = self._line()
 
-    def verify_seconds(self, tokens: int) -> float | None:
-        """A verify of `tokens` tokens, from a line through the sizes measured (least squares,
-        each size weighted by how often it was seen; its slope at least 0, and
-        PRIOR_VERIFY_SLOPE of one token's cost while only one size is known). A line, not the
-        sizes' own averages: those are noisy, and an unlucky size would be avoided for good."""
-        points = [(n, a.value, count) for n, (a, count) in self._verify_points() if a.value is not None]
-        if not points:
+    def at(self, size: int) -> float | None:
+        if self._fit is None:
             return None
+        mean_n, mean_v, slope = self._fit
+        return max(0.0, mean_v + slope * (size - mean_n))
+
+    def _line(self) -> tuple[float, float, float]:
+        points = [(n, a.value, min(self.counts[n], MAX_POINT_WEIGHT)) for n, a in self.averages.items()]
         weight = sum(c for _, _, c in points)
         mean_n = sum(n * c for n, _, c in points) / weight
         mean_v = sum(v * c for _, v, c in points) / weight
         spread = sum(c * (n - mean_n) ** 2 for n, _, c in points)
         if spread > 0:
             slope = max(0.0, sum(c * (n - mean_n) * (v - mean_v) for n, v, c in points) / spread)
-        else:  # one size: a prior slope, relative to one token's cost
-            slope = mean_v * PRIOR_VERIFY_SLOPE / (1 + PRIOR_VERIFY_SLOPE * (mean_n - 1))
-        return max(0.0, mean_v + slope * (tokens - mean_n))
+        else:  # one size: the prior slope, relative to size 1's cost
+            slope = mean_v * self.prior_slope / (1 + self.prior_slope * (mean_n - 1))
+        return mean_n, mean_v, slope
 
-    def _verify_points(self):
-        return ((n, (a, min(self.verify_counts.get(n, 0), MAX_POINT_WEIGHT))) for n, a in self.verify.items())
+
+class RoundCosts:
+    """Running estimates (seconds) of round costs in one process, shared by its sessions: each
+    method's drafting by the draft tokens it makes, a verify by the tokens it verifies
+    (K + 1), and the rest of a round, with and without drafts."""
+
+    def __init__(self) -> None:
+        self.drafting: dict[str, _Line] = {}
+        self.verify = _Line(PRIOR_SLOPE["verify"])
+        self.overhead = {True: _Average(), False: _Average()}
+
+    def observe(self, method: str, k: int, draft_s: float | None, verify_s: float, round_s: float) -> None:
+        """A round of k drafts of method; draft_s None where its drafting was not a round's
+        usual work (a new session's draft reads its whole prompt first)."""
+        if k and draft_s is not None:
+            self.drafting.setdefault(method, _Line(PRIOR_SLOPE["draft"])).add(k, draft_s)
+        self.verify.add(k + 1, verify_s)
+        self.overhead[k > 0].add(max(0.0, round_s - (draft_s or 0.0) - verify_s))
+
+    def verify_seconds(self, tokens: int) -> float | None:
+        return self.verify.at(tokens)
 
     def round_seconds(self, method: str, k: int) -> float | None:
         """A round of k drafts of method (0: a target-only token); None until its parts are
         measured."""
-        verify = self.verify_seconds(k + 1)
-        draft = self.draft_step.get(method)
-        if verify is None or (k and (draft is None or draft.value is None)):
+        verify = self.verify.at(k + 1)
+        drafting = self.drafting[method].at(k) if k and method in self.drafting else 0.0
+        if verify is None or drafting is None or (k and method not in self.drafting):
             return None
         overhead = self.overhead[k > 0].value
         if overhead is None:
             overhead = self.overhead[k == 0].value or 0.0
-        return k * (draft.value if k else 0.0) + verify + overhead
+        return drafting + verify + overhead
 
 
 class Acceptance:
@@ -181,8 +199,8 @@ class Acceptance:
     def observe(self, k: int, num_accepted: int) -> None:
         if k == 0:
             return
-        self.reached = [r * DECAY for r in self.reached]
-        self.kept = [a * DECAY for a in self.kept]
+        self.reached = [r * ACCEPTANCE_DECAY for r in self.reached]
+        self.kept = [a * ACCEPTANCE_DECAY for a in self.kept]
         reached = min(num_accepted + 1, k)
         while len(self.reached) < reached:
             self.reached.append(0.0)
@@ -258,9 +276,13 @@ class KChooser:
         if costs.round_seconds(self.method, 1) is None or costs.round_seconds(self.method, 0) is None:
             return max(low, min(self.start, high))  # K = 0's or drafts' costs not yet known
         best, best_rate = low, -1.0
-        for k in range(low, high + 1):
-            seconds = costs.round_seconds(self.method, k)
-            rate = self.acceptance.expected_tokens(k) / seconds if seconds else 0.0
+        expected, survive = 1.0, 1.0  # E(K), and P(all of the first K kept)
+        for k in range(high + 1):
+            if k:
+                survive *= self.acceptance.rate(k - 1)
+                expected += survive
+            seconds = costs.round_seconds(self.method, k) if k >= low else None
+            rate = expected / seconds if seconds else -1.0
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
