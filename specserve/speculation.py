@@ -108,16 +108,18 @@ class _Line:
         self.prior_slope = prior_slope  # of size 1's cost per unit, while one size is known
         self.averages: dict[int, _Average] = {}
         self.counts: dict[int, int] = {}
-        self._fit: tuple[float, float, float] | None = None  # (mean size, mean cost, slope), as of the last add
+        self._fit: tuple[float, float, float] | None = None  # (mean size, mean cost, slope); None: stale
 
     def add(self, size: int, seconds: float) -> None:
         self.averages.setdefault(size, _Average()).add(seconds)
         self.counts[size] = self.counts.get(size, 0) + 1
-        self._fit = self._line()
+        self._fit = None  # fitted again when next asked
 
     def at(self, size: int) -> float | None:
-        if self._fit is None:
+        if not self.averages:
             return None
+        if self._fit is None:
+            self._fit = self._line()
         mean_n, mean_v, slope = self._fit
         return max(0.0, mean_v + slope * (size - mean_n))
 

@@ -421,7 +421,8 @@ class Verifier:
         """Accept while d_i == argmax p_i; the next token is the argmax after the last one
         kept. One argmax over every row's logits, then a walk in Python: microseconds, where
         padding the rows for a kernel cost a few hundred."""
-        argmax = torch.cat([row.logits for row in rows]).argmax(-1).tolist()  # [sum of K + 1]
+        logits = rows[0].logits if len(rows) == 1 else torch.cat([row.logits for row in rows])
+        argmax = logits.argmax(-1).tolist()  # [sum of K + 1]
         decisions, end = [], 0
         for row in rows:
             best, end = argmax[end : end + len(row.drafts) + 1], end + len(row.drafts) + 1
