@@ -28,8 +28,8 @@ class DraftConfig(TracingOptions):
     max_wait_ms: float = field(0.0, "how long a lone request waits for others to share its batch")
     matmul_dtype: str = field(
         "auto",
-        "dtype of the runner's weight matrices: auto (a 16-bit checkpoint on CPU: bfloat16 where the CPU has it, "
-        "else float32), or a dtype",
+        "dtype of the runner's weight matrices: auto (on a CPU: int8 where it has bfloat16, else float32 for small "
+        "matrices and the checkpoint's 16-bit dtype or float32 for the rest), or a dtype",
     )
     backend: str = field(
         "auto", "model backend: auto (our runner for the Llama family, else transformers), runner, transformers"

@@ -25,7 +25,8 @@ class VerifyConfig(TracingOptions):
     )
     matmul_dtype: str = field(
         "auto",
-        "dtype of the runner's weight matrices: auto (a 16-bit checkpoint on CPU: bfloat16 where the CPU has it, else float32), or a dtype",
+        "dtype of the runner's weight matrices: auto (a 16-bit checkpoint on CPU: bfloat16 where the CPU has it, "
+        "else float32; a colocated draft's: int8 where the CPU has bfloat16), or a dtype for both",
     )
     backend: str = field(
         "auto", "model backend: auto (our runner for the Llama family, else transformers), runner, transformers"
