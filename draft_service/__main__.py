@@ -8,7 +8,7 @@ from draft_service.config import DraftConfig
 from draft_service.servicer import SERVICE_NAME, DraftServicer
 from specserve.batching import Batcher
 from specserve.config import parse_config, pin_to_cpus
-from specserve.drafting import Drafter
+from specserve.drafting import Drafter, DraftOptions
 from specserve.grpc_server import run_service
 from specserve.logs import setup_logging
 from specserve.metrics import ServiceMetrics
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics = ServiceMetrics("drafter")
     metrics.count_compiling(models)
     metrics.serve(config.host, config.metrics_port)
-    drafter = Drafter(models, config.drafting(loaded), metrics)
+    drafter = Drafter(models, DraftOptions.of(config, loaded), metrics)
     batcher = Batcher(drafter.step, config.max_batch, config.max_wait_ms / 1000, name="drafter", own_thread=False)
     servicer = DraftServicer(drafter, batcher, loaded, config, metrics)
     register = lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)  # noqa: E731

@@ -1,14 +1,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from specserve.config import CPUS_HELP, TracingOptions, check, field, parse_cpus
 from specserve.paths import DEMO_DRAFT
-
-if TYPE_CHECKING:  # the drafter and the models import torch: not needed to parse flags
-    from specserve.drafting import DraftOptions
-    from specserve.models import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -84,17 +79,3 @@ class DraftConfig(TracingOptions):
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
-
-    def drafting(self, loaded: LoadedModel) -> DraftOptions:
-        """The drafter's options, for the vocabulary and context window of the draft model."""
-        from specserve.drafting import DraftOptions
-
-        return DraftOptions(
-            vocab_size=loaded.vocab_size,
-            max_context_length=loaded.max_context_length,
-            max_sessions=self.max_sessions,
-            max_speculative_tokens=self.max_speculative_tokens,
-            support_size=self.support_size,
-            ngram_max=self.ngram_max,
-            max_batched_tokens=self.max_batched_tokens,
-        )

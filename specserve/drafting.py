@@ -50,6 +50,20 @@ class DraftOptions:
     ngram_max: int = 4  # longest suffix the ngram drafter looks up
     max_batched_tokens: int = 2048
 
+    @classmethod
+    def of(cls, config, loaded: LoadedModel) -> DraftOptions:
+        """From a service's config (the draft service's or the verifier's: they name these
+        fields alike), for the vocabulary and context window of loaded."""
+        return cls(
+            vocab_size=loaded.vocab_size,
+            max_context_length=loaded.max_context_length,
+            max_sessions=config.max_sessions,
+            max_speculative_tokens=config.max_speculative_tokens,
+            support_size=config.support_size,
+            ngram_max=config.ngram_max,
+            max_batched_tokens=config.max_batched_tokens,
+        )
+
 
 @dataclass
 class DraftSession:

@@ -9,7 +9,7 @@ import torch
 
 from draft_service.config import DraftConfig
 from specserve.batching import Again
-from specserve.drafting import Drafter, DraftJob
+from specserve.drafting import Drafter, DraftJob, DraftOptions
 from specserve.errors import FailedPrecondition, ResourceExhausted
 from specserve.models import load_model
 from specserve.sampling import SamplingParams
@@ -113,7 +113,7 @@ def test_batched_verification_equals_each_row_alone(tiny_pair):
 def test_batched_drafting_equals_each_session_alone(tiny_pair, sampling):
     _, draft_dir = tiny_pair
     loaded = load_model(str(draft_dir), CPU, torch.float32)
-    drafter = Drafter({"draft_model": loaded}, DraftConfig().drafting(loaded))
+    drafter = Drafter({"draft_model": loaded}, DraftOptions.of(DraftConfig(), loaded))
     prefixes = [(1, 2, 3), (9,) * 12, (200, 100)]
     ks = [4, 2, 3]
 
@@ -154,7 +154,7 @@ def test_ngram_drafts_copy_after_the_latest_longest_repeat():
 def test_confidence_stop_and_bonus_guess(tiny_pair):
     _, draft_dir = tiny_pair
     loaded = load_model(str(draft_dir), CPU, torch.float32)
-    drafter = Drafter({"draft_model": loaded}, DraftConfig().drafting(loaded))
+    drafter = Drafter({"draft_model": loaded}, DraftOptions.of(DraftConfig(), loaded))
     session = drafter.open_session("s", "draft_model")
     sure = drafter.step([DraftJob(session, (1, 2, 3), 3, 4, GREEDY, want_bonus_guess=True)])[0]
     assert len(sure.draft_token_ids) == 4 and sure.bonus_guess >= 0

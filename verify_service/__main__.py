@@ -63,15 +63,7 @@ def colocated_drafting(config: VerifyConfig, target: LoadedModel, metrics: Servi
     if config.early_exit_layers:
         models["early_exit"] = load_for_service(config, config.model, config.early_exit_layers, row_invariant=False,
                                                 compile_steps=config.compile_steps)  # fmt: skip
-    options = DraftOptions(
-        vocab_size=target.vocab_size,
-        max_context_length=target.max_context_length,
-        max_sessions=config.max_sessions,
-        max_speculative_tokens=config.max_speculative_tokens,
-        support_size=config.support_size,
-        ngram_max=config.ngram_max,
-        max_batched_tokens=config.max_batched_tokens,
-    )
+    options = DraftOptions.of(config, target)  # the target's vocabulary: drafts are verified against it
     drafter_metrics = ServiceMetrics("drafter", metrics.registry)
     drafter_metrics.count_compiling(models)
     drafter = Drafter(models, options, drafter_metrics)
