@@ -157,10 +157,24 @@ class CompiledSteps:
             return f"torch.compile needs a C++ compiler on a CPU and {compiler} is not on PATH (set CXX)"
         return None
 
+    # Drafts started in one process compile one after another (inductor's configuration,
+    # which start() sets for the length of a compile, is the process's).
+    _serial_compiles = threading.Lock()
+
     def start(self) -> None:
         """Compiles and checks in a thread of its own (self.thread); the eager forward serves
-        until then."""
-        self.thread = threading.Thread(target=self.compile, name="compile-steps", daemon=True)
+        until then. A draft's loops are compiled serial (inductor's cpp.threads, restored
+        after): a small draft's loops gain nothing from a second thread, and wherever the
+        other core is busy (the gateway, on one machine) each parallel loop waits for it
+        (docs/benchmarks.md)."""
+
+        def compile_serial() -> None:
+            import torch._inductor.config
+
+            with CompiledSteps._serial_compiles, torch._inductor.config.patch({"cpp.threads": 1}):
+                self.compile()
+
+        self.thread = threading.Thread(target=compile_serial, name="compile-steps", daemon=True)
         self.thread.start()
 
     @torch.inference_mode()
