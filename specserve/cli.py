@@ -21,12 +21,13 @@ from specserve.paths import DEMO_DRAFT, DEMO_TARGET
 SERVICE_MODULES = {"draft": "draft_service", "verify": "verify_service", "gateway": "gateway"}
 
 # After each parallel op torch's OpenMP threads spin, by default for about 300,000 turns,
-# before they sleep. Where the draft service, the verifier and the gateway share a machine's
-# cores, a service's spinning threads take the core from the one that runs next: on this
-# project's 2-core machine a decode step of one ran up to twice as slow right after the
-# other's. 30,000 turns still span the gaps between one forward's ops; the demo pair's K = 4
-# rounds went from 1.49x to 1.67x target-only (specserve bench, code, greedy, one client).
-# Only a default: an environment that sets GOMP_SPINCOUNT (or OMP_WAIT_POLICY) keeps its own.
+# before they sleep. Where a draft service and a verifier share a machine's cores, a
+# service's spinning threads take the core from the one that runs next: on this project's
+# 2-core machine a decode step of one ran up to twice as slow right after the other's.
+# 30,000 turns still span the gaps between one forward's ops (docs/benchmarks.md). A
+# verifier that drafts for itself runs both models on one pool of threads, and there the
+# default spin measured faster: `specserve up` without a draft service leaves it. Only a
+# default: an environment that sets GOMP_SPINCOUNT (or OMP_WAIT_POLICY) keeps its own.
 SERVICE_ENVIRONMENT = {"GOMP_SPINCOUNT": "30000"}
 
 # Where the draft service, the verifier and the gateway share one machine's CPU cores, a
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         return train_demo(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "up":
-        _service_environment()
+        if args.draft_service:
+            _service_environment()
         return up(args)
     _parser().print_help()
     return 0
