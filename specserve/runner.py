@@ -297,6 +297,7 @@ class LlamaRunner:
         self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.spec.num_layers)]
         self.num_slots = num_slots
         self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._never_used = set(self._free_slots)  # their memory is uninitialised
         self.compiled_steps = self._start_compiled_steps() if compile_steps else None
 
     def _start_compiled_steps(self):
@@ -351,8 +352,13 @@ class LlamaRunner:
         slot = self._free_slots.pop()
         # Rows of a batch read keys up to the longest row; a shorter row's unwritten positions
         # are masked, but a masked 0 weight times a NaN of uninitialised memory is still NaN.
-        for cache in (*self.k_cache, *self.v_cache):
-            cache[slot].zero_()
+        # A slot is zeroed the first time it is handed out; later it holds an earlier
+        # session's keys and values, finite (zeroing the demo target's 20 MB slot again at
+        # every request took milliseconds of each request's time to first token).
+        if slot in self._never_used:
+            for cache in (*self.k_cache, *self.v_cache):
+                cache[slot].zero_()
+            self._never_used.discard(slot)
         return slot
 
     def release(self, slot: int) -> None:
