@@ -164,3 +164,51 @@ def test_confidence_stop_and_bonus_guess(tiny_pair):
     # Rewinding: a request that starts before the session's end drops what lay past it.
     again = drafter.step([DraftJob(session, (1, 2, 3), 3, 4, GREEDY)])[0]
     assert again.draft_token_ids == sure.draft_token_ids
+
+
+def _colocated_verifier(tiny_pair) -> Verifier:
+    from specserve.drafting import DraftOptions
+    from verify_service.local_drafts import LocalDrafting
+
+    target_dir, draft_dir = tiny_pair
+    target = load_model(str(target_dir), CPU, torch.float32)
+    draft = load_model(str(draft_dir), CPU, torch.float32, row_invariant=False)
+    drafter = Drafter({"draft_model": draft}, DraftOptions.of(VerifyConfig(), target))
+    return Verifier(target, VerifyConfig(), None, LocalDrafting(drafter, 16))
+
+
+def _decode(verifier: Verifier, session: str, prompt: tuple[int, ...], max_tokens: int, speculation=None) -> list:
+    """Every Outcome of a decode after the prefill, run batch by batch to its end."""
+    first = verifier.step([PrefillJob(session, prompt, GREEDY)])[0]
+    made = []
+    job = DecodeJob(session, len(prompt) + 1, max_tokens, None, made.append, threading.Event(),
+                    speculation=speculation)  # fmt: skip
+    while isinstance(result := verifier.step([job])[0], Again):
+        job = result.item
+    assert not isinstance(result, Exception), result
+    return [first.next_token_id], made
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_the_verifiers_own_rounds_make_the_target_only_tokens_and_stop_at_max_tokens(tiny_pair, method):
+    from specserve.speculation import Speculation
+
+    verifier = _colocated_verifier(tiny_pair)
+    prompt = (104, 105, 104, 105, 104, 105, 32, 7)
+    first, plain = _decode(verifier, "plain", prompt, 37)
+    _, rounds = _decode(verifier, "spec", prompt, 37, Speculation(method, 5, adaptive=False))
+    tokens = [t for o in rounds for t in (*o.accepted_token_ids, o.next_token_id)]
+    assert tokens == [o.next_token_id for o in plain] and len(tokens) == 37  # never past max_tokens
+    assert any(o.num_draft_tokens for o in rounds)  # the prompt repeats: even n-gram lookup drafts
+    if method == "draft_model":
+        assert len(rounds) < len(plain)  # drafts were kept
+    assert all(o.num_draft_tokens <= 5 and o.num_accepted <= o.num_draft_tokens for o in rounds)
+    assert all(o.draft_ended_ns >= o.draft_started_ns > 0 for o in rounds if o.num_draft_tokens)
+
+
+def test_a_round_ends_at_an_accepted_end_of_sequence_draft(tiny_pair):
+    verifier = _colocated_verifier(tiny_pair)
+    eos = verifier.loaded.eos_token_ids[0]
+    assert verifier._stop_at_end_of_sequence((5, eos, 6), 3, 9) == (1, eos)  # kept d_1, then EOS ends it
+    assert verifier._stop_at_end_of_sequence((5, eos, 6), 1, 9) == (1, 9)  # EOS was not kept: as decided
+    assert verifier._stop_at_end_of_sequence((), 0, eos) == (0, eos)

@@ -323,8 +323,8 @@ class Verifier:
         wanted = []
         for job, row in speculative:
             room = min(job.max_tokens, self.loaded.max_context_length - len(row.session.tokens) + 1)
-            row.session.drafts.k = row.session.drafts.chooser.next_k(room)
-            wanted.append((row.session.drafts, row.session.tokens, row.session.drafts.k, row.sampling))
+            k = row.session.drafts.chooser.next_k(room)
+            wanted.append((row.session.drafts, row.session.tokens, k, row.sampling))
         proposals, timing = self.local.propose(wanted)
         for (_, row), proposal in zip(speculative, proposals):
             row.drafts, row.distributions = proposal.draft_token_ids, proposal.draft_distributions

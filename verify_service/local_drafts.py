@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specserve.drafting import Drafter, DraftJob, DraftSession, Proposal
 from specserve.errors import RequestError
@@ -28,7 +28,6 @@ class SessionDrafts:
     speculation: Speculation
     draft: DraftSession
     chooser: KChooser
-    k: int = 0  # this round's K, as chosen
     drafted_rounds: int = 0
 
     def observe(self, outcome, round_s: float) -> None:
@@ -54,11 +53,6 @@ class DraftTiming:
 
     started_ns: int = 0
     ended_ns: int = 0
-    rows: int = field(default=0)
-
-    @property
-    def seconds(self) -> float:
-        return (self.ended_ns - self.started_ns) / 1e9
 
 
 class LocalDrafting:
@@ -107,7 +101,6 @@ class LocalDrafting:
                 elif not isinstance(proposal, RequestError):
                     log.warning("colocated drafting failed (%s); the round runs target-only", proposal)
         timing.ended_ns = time.time_ns()
-        timing.rows = len(wanted)
         return out, timing
 
     def _in_vocabulary(self, proposal: Proposal) -> LocalProposal:
