@@ -27,7 +27,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self._drafter = drafter
         self._batcher = batcher
         self._metrics = metrics
-        self._info = model_info(loaded, config.max_speculative_tokens)
+        self._info = model_info(loaded, config.max_speculative_tokens, (*drafter.models, "ngram"))
 
     def Draft(self, request_iterator: Iterator[draft_pb2.DraftRequest], context) -> Iterator[draft_pb2.DraftResponse]:
         session = None

@@ -84,8 +84,10 @@ def served_model(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | Non
     drafting only)."""
     local = frozenset(target.local_methods)
     max_k = target.max_speculative_tokens
+    remote = frozenset()
     if draft is not None:
         max_k = min(max_k, draft.max_speculative_tokens)
+        remote = frozenset(draft.local_methods or REMOTE_METHODS) - local  # an older service does not say
     return ServedModel(
         name=name or target.model_name,
         vocab_size=target.vocab_size,
@@ -93,7 +95,7 @@ def served_model(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | Non
         eos_token_ids=frozenset(target.eos_token_ids),
         max_speculative_tokens=max_k,
         local_methods=local,
-        remote_methods=REMOTE_METHODS - local if draft is not None else frozenset(),
+        remote_methods=remote,
     )
 
 

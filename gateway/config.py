@@ -15,7 +15,7 @@ class GatewayConfig(TracingOptions):
     host: str = field("127.0.0.1", "address to listen on (0.0.0.0 for all interfaces)")
     port: int = field(8000, "HTTP port")
     draft_address: str = field(
-        "127.0.0.1:50051", "host:port of the draft service (empty: none; only what the verifier drafts itself)"
+        "", "host:port of a draft service (empty, the default: none; the verifier's own drafts only)"
     )
     verify_address: str = field("127.0.0.1:50052", "host:port of the verify service")
     tokenizer: str = field(str(DEMO_TARGET), "directory holding the target's tokenizer files")

@@ -28,6 +28,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from gateway.backends import Backends, DraftStream
+from specserve.logs import RateLimitedLog
 from specserve.metrics import GatewayMetrics
 from specserve.sampling import SamplingParams
 from specserve.speculation import KChooser, Speculation
@@ -47,28 +48,7 @@ log = logging.getLogger(__name__)
 VERIFY_SERVICE = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 
 
-class _RateLimitedLog:
-    """A warning at most once per interval (a dead draft service fails every session's round
-    at once); the next one says how many were suppressed."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float = 5.0):
-        self._log = logger
-        self._interval_s = interval_s
-        self._next_at = 0.0
-        self._suppressed = 0
-
-    def warning(self, message: str, *args) -> None:
-        now = time.monotonic()
-        if now < self._next_at:
-            self._suppressed += 1
-            return
-        if self._suppressed:
-            message += f" ({self._suppressed} more like it in the last {self._interval_s:.0f} s)"
-        self._log.warning(message, *args)
-        self._next_at, self._suppressed = now + self._interval_s, 0
-
-
-_draft_failures = _RateLimitedLog(log)
+_draft_failures = RateLimitedLog(log)
 
 
 @dataclass(frozen=True)
@@ -358,7 +338,9 @@ class _Session:
         draft's own bonus guess were accepted."""
         if not (self.plan.pipeline and drafts and guess >= 0):
             return None
-        k_next = min(self.chooser.best_k(remaining - len(drafts) - 1, lowest=1), remaining - len(drafts) - 2)
+        k_next = min(
+            self.chooser.k_after_all_kept(len(drafts), remaining - len(drafts) - 1), remaining - len(drafts) - 2
+        )
         if k_next < 1:
             return None
         guessed = [*drafts, guess]

@@ -193,6 +193,8 @@ def stream_one(
     body = {"max_tokens": max_tokens, "temperature": row.temperature, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}, "return_timings": True, "return_token_ids": True,
             "speculation": speculation}  # fmt: skip
+    if row.adaptive and row.temperature > 0:
+        del body["seed"]  # a seeded sampled request keeps a fixed K: an adaptive row would not be one
     path = "/v1/chat/completions" if isinstance(prompt, list) else "/v1/completions"
     body["messages" if isinstance(prompt, list) else "prompt"] = prompt
     started = time.perf_counter()

@@ -199,8 +199,19 @@ class Drafter:
         verified = job.session.verified  # extended in place: what it holds up to start stays verified
         del verified[start:]  # a start before the end rewinds
         verified.extend(job.tokens)
-        room = self.options.max_context_length - len(verified) - (1 if job.want_bonus_guess else 0)
+        _, context = self._limits(job.session.method)
+        room = context - len(verified) - (1 if job.want_bonus_guess else 0)
         return _Drafting(job, verified, max(0, min(job.num_speculative_tokens, room)), start=start)
+
+    def _limits(self, method: str) -> tuple[int, int]:
+        """(vocabulary size, context window) a method's sessions must keep within: the
+        service's, and its model's where that is smaller (a draft's output layer may be padded
+        to another size than the target's, and its context may be shorter)."""
+        vocab, context = self.options.vocab_size, self.options.max_context_length
+        model = self.models.get(method)
+        if model is None:
+            return vocab, context
+        return min(vocab, model.vocab_size), min(context, model.max_context_length)
 
     def _ngram(self, d: _Drafting) -> None:
         d.drafts = ngram_drafts(d.verified, d.k, self.options.ngram_max)
@@ -276,8 +287,9 @@ class Drafter:
             f"num_speculative_tokens must lie in 1..{self.options.max_speculative_tokens}",
         )
         require(0 <= job.min_draft_probability <= 1, "min_draft_probability must lie in [0, 1]")
-        check_token_ids(job.tokens, self.options.vocab_size, "tokens")
-        require(job.num_verified <= self.options.max_context_length, "the sequence exceeds the draft's context window")
+        vocab, context = self._limits(job.session.method)
+        check_token_ids(job.tokens, vocab, "tokens")
+        require(job.num_verified <= context, "the sequence exceeds the draft's context window")
 
     def _draw(
         self, logits: torch.Tensor, sampling: SamplingParams, position: int

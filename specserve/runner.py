@@ -461,6 +461,7 @@ class LlamaRunner:
         """forward() for the last token of each row only, with its argmax: ([batch, vocab]
         float32 logits, [batch] argmax), what a draft's next token needs. Through the compiled
         steps, the argmax comes out of the step itself."""
+        assert all(s + len(t) <= self.max_len for s, t in zip(starts, tokens)), "a row runs past its cache slot"
         steps = self.compiled_steps
         if steps is None or not steps.ready or any(len(t) > EXACT_MAX_QUERIES for t in tokens):
             logits = torch.cat(self.forward(slots, starts, tokens, [1] * len(tokens)))

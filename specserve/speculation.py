@@ -264,6 +264,13 @@ class KChooser:
             self._stretch = PROBE_STRETCH[0]
         return best
 
+    def k_after_all_kept(self, k: int, remaining: int) -> int:
+        """The K the next round would get if this one keeps all its k drafts (what a
+        pipelined round drafts ahead for), without changing the choice's state."""
+        if not self.speculation.adaptive:
+            return min(self.start, max(0, remaining - 1))
+        return self.best_k(max(0, remaining - 1), lowest=k + 1)
+
     @property
     def target_only_tokens(self) -> int:
         """Target-only tokens left before drafting is tried again (0: none are due)."""

@@ -140,7 +140,7 @@ def test_adaptive_k_and_confidence_stop_keep_greedy_output(request, stack_name):
 
 def test_speculation_usage_is_reported_and_drafts_are_accepted(stack):
     body = complete(stack.url, prompt=list(PROMPTS[1]), max_tokens=48, temperature=0,
-                    speculation={"num_speculative_tokens": 4})  # fmt: skip
+                    speculation={"num_speculative_tokens": 4, "adaptive": False})  # fmt: skip
     usage = body["usage"]
     speculation = usage["speculation"]
     assert usage["completion_tokens"] == 48 and usage["prompt_tokens"] == len(PROMPTS[1])

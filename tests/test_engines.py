@@ -212,3 +212,32 @@ def test_a_round_ends_at_an_accepted_end_of_sequence_draft(tiny_pair):
     assert verifier._stop_at_end_of_sequence((5, eos, 6), 3, 9) == (1, eos)  # kept d_1, then EOS ends it
     assert verifier._stop_at_end_of_sequence((5, eos, 6), 1, 9) == (1, 9)  # EOS was not kept: as decided
     assert verifier._stop_at_end_of_sequence((), 0, eos) == (0, eos)
+
+
+def test_a_token_past_the_drafts_own_vocabulary_is_refused_not_an_index_error(tiny_pair):
+    from specserve.drafting import DraftOptions
+    from specserve.errors import InvalidArgument
+
+    _, draft_dir = tiny_pair
+    loaded = load_model(str(draft_dir), CPU, torch.float32)  # 257 ids
+    options = DraftOptions(vocab_size=300, max_context_length=512, max_sessions=4)  # a target padded further
+    drafter = Drafter({"draft_model": loaded}, options)
+    session = drafter.open_session("s", "draft_model")
+    [refused] = drafter.step([DraftJob(session, (1, 280), 2, 3, GREEDY)])
+    assert isinstance(refused, InvalidArgument)
+
+
+def test_a_drafting_failure_costs_its_rounds_their_drafts_not_the_batch(tiny_pair, monkeypatch):
+    from specserve.speculation import Speculation
+
+    verifier = _colocated_verifier(tiny_pair)
+    prompt = (3, 4, 5, 6)
+    _, plain = _decode(verifier, "plain", prompt, 12)
+
+    def broken(jobs):
+        raise RuntimeError("a draft forward that failed")
+
+    monkeypatch.setattr(verifier.local.drafter, "step", broken)
+    _, rounds = _decode(verifier, "spec", prompt, 12, Speculation("draft_model", 4, adaptive=False))
+    assert [o.next_token_id for o in rounds] == [o.next_token_id for o in plain]  # target-only rounds, all there
+    assert all(o.num_draft_tokens == 0 for o in rounds)

@@ -140,11 +140,14 @@ def streamed_tokens(url: str, body: dict, when_at: int, action) -> list[int]:
     return tokens
 
 
+FIXED_K = {"speculation": {"adaptive": False}}  # every round drafts while drafts can be had
+
+
 def wait_for_drafts(url: str, reference: list[int]) -> None:
     """Until the supervisor's restarted draft service drafts again; every output stays exact."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        after = greedy(url, 60)
+        after = greedy(url, 60, **FIXED_K)
         assert after["choices"][0]["token_ids"] == reference[:60]
         if after["usage"]["speculation"]["num_drafts"] > 0:
             return
@@ -157,7 +160,7 @@ def test_draft_killed_midway_costs_no_token_and_speculation_resumes(guarded):
     reference = greedy(stack.url, 60, speculation={"method": "none"})["choices"][0]["token_ids"]
     draft_port = stack.draft_address.rsplit(":", 1)[1]
     os.kill(pid_of("draft_service", draft_port), signal.SIGKILL)
-    during = greedy(stack.url, 60)
+    during = greedy(stack.url, 60, **FIXED_K)
     assert during["choices"][0]["token_ids"] == reference
     wait_for_drafts(stack.url, reference)
 
@@ -238,7 +241,7 @@ def test_verifier_killed_mid_speculative_stream_the_stream_completes_identically
     # The verifier drafts and verifies round after round in one Decode stream; when it dies,
     # the gateway prefills the restarted one from its own sequence and speculates on.
     stack, verify_metrics = colocated
-    speculation = {"speculation": {"method": "draft_model", "num_speculative_tokens": 3}}
+    speculation = {"speculation": {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}}
     reference = greedy(stack.url, 300, speculation={"method": "none"})["choices"][0]["token_ids"]
     verify_port = stack.verify_address.rsplit(":", 1)[1]
     body = {"prompt": [7, 8, 9], "max_tokens": 300, "temperature": 0, **speculation}

@@ -185,6 +185,7 @@ def test_model_info_of_both_services_agree(verify, split_verify, draft):
     # beside a draft service with n-gram only (it needs no model).
     assert sorted(target_info.local_methods) == ["draft_model", "early_exit", "ngram"]
     assert list(split_verify.GetModelInfo(common_pb2.ModelInfoRequest()).local_methods) == ["ngram"]
+    assert sorted(draft_info.local_methods) == ["draft_model", "early_exit", "ngram"]  # the draft service's own
 
 
 def decode(verify, session_id: str, num_verified: int, max_tokens: int, sampling=None) -> list:

@@ -14,6 +14,7 @@ from specserve.grpc_server import run_service
 from specserve.logs import setup_logging
 from specserve.metrics import ServiceMetrics
 from specserve.models import LoadedModel, load_for_service, load_tokenizer, tokenizer_fingerprint
+from specserve.runner import UnsupportedModel
 from specserve.telemetry import setup_tracing
 from specserve.v1 import verify_pb2_grpc
 from verify_service.config import VerifyConfig
@@ -77,12 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     tracing = setup_tracing("specserve-verify", config.trace_console, config.trace_sample_ratio)
     try:
         check_draft_tokenizer(config)
-    except RefusedDraft as error:
+    except (RefusedDraft, ValueError, OSError) as error:  # a mismatched pair, or no model at the path
         log.error("refusing to start: %s", error)
         return 2
     loaded = load_for_service(config, compile_steps=config.compile_steps)
     metrics = ServiceMetrics("verifier")
-    local = colocated_drafting(config, loaded, metrics)
+    try:
+        local = colocated_drafting(config, loaded, metrics)
+    except (ValueError, OSError, UnsupportedModel) as error:  # e.g. early exit on the transformers backend
+        log.error("refusing to start: %s", error)
+        return 2
     metrics.serve(config.host, config.metrics_port)
     verifier = Verifier(loaded, config, metrics, local)
     batcher = Batcher(verifier.step, config.max_batch, config.max_wait_ms / 1000, name="verifier", own_thread=False)

@@ -1,5 +1,5 @@
 """The verifier: scores each session's draft tokens with the target and decides, for all
-sessions of a batch in one kernel call, which drafts to keep.
+sessions of a batch at once, which drafts to keep.
 
 Vocabulary (DESIGN.md, "Words"; Leviathan et al. 2023, https://arxiv.org/abs/2211.17192):
 a *round* is one draft + one verify; the *draft tokens* d_1..d_K are the K proposals, drawn
@@ -34,7 +34,7 @@ from specserve.models import LoadedModel
 from specserve.protocol import SparseDistribution, check_token_ids
 from specserve.sampling import SamplingParams, processed_probs, verify_noise
 from specserve.speculation import Speculation
-from specserve_kernels.rejection import rejection_sample
+from specserve_kernels.rejection import greedy_verify, rejection_sample
 from verify_service.config import VerifyConfig
 from verify_service.local_drafts import DraftTiming, LocalDrafting, SessionDrafts
 
@@ -147,7 +147,7 @@ class _Row:
     is_prefill: bool
     logits: torch.Tensor | None = None  # [num_draft + 1, vocab] float32
     batch_size: int = field(default=1)
-    drafted_locally: bool = False  # a speculative decode's round: its drafts are the verifier's own
+    drafted_locally: bool = False  # a speculative decode's round with drafts, the verifier's own
 
 
 class Verifier:
@@ -322,14 +322,14 @@ class Verifier:
             return None
         wanted = []
         for job, row in speculative:
-            room = min(job.max_tokens, self.loaded.max_context_length - len(row.session.tokens) + 1)
+            room = min(job.max_tokens, self.loaded.max_context_length - len(row.session.tokens))
             k = row.session.drafts.chooser.next_k(room)
             wanted.append((row.session.drafts, row.session.tokens, k, row.sampling))
         proposals, timing = self.local.propose(wanted)
         for (_, row), proposal in zip(speculative, proposals):
             row.drafts, row.distributions = proposal.draft_token_ids, proposal.draft_distributions
             row.feed = [row.feed[0], *row.drafts]
-            row.drafted_locally = True
+            row.drafted_locally = bool(row.drafts)
         return timing
 
     def _prepare_prefill(self, job: PrefillJob) -> _Row:
@@ -419,8 +419,12 @@ class Verifier:
 
     def _decide_greedy(self, rows: list[_Row]) -> list[tuple[int, int]]:
         """Accept while d_i == argmax p_i; the next token is the argmax after the last one
-        kept. One argmax over every row's logits, then a walk in Python: microseconds, where
-        padding the rows for a kernel cost a few hundred."""
+        kept. On CUDA the Triton kernel decides the batch on the device; elsewhere one argmax
+        over every row's logits and a walk in Python take microseconds, where padding the rows
+        for the reference kernel took a few hundred."""
+        if rows[0].logits.is_cuda and any(row.drafts for row in rows):
+            logits, drafts, num_draft = self._pad_rows(rows, [row.logits for row in rows])
+            return _unpack(*greedy_verify(logits, drafts, num_draft))
         logits = rows[0].logits if len(rows) == 1 else torch.cat([row.logits for row in rows])
         argmax = logits.argmax(-1).tolist()  # [sum of K + 1]
         decisions, end = [], 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from specserve.drafting import Drafter, DraftJob, DraftSession, Proposal
 from specserve.errors import RequestError
+from specserve.logs import RateLimitedLog
 from specserve.speculation import KChooser, Shared, Speculation
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class LocalDrafting:
     def __init__(self, drafter: Drafter, max_speculative_tokens: int):
         self.drafter = drafter
         self.max_speculative_tokens = max_speculative_tokens
+        self._failures = RateLimitedLog(log)
         self.shared = Shared()  # what the sessions learn together: round costs, acceptance
         vocab = drafter.options.vocab_size
         self._larger_vocabulary = any(m.vocab_size > vocab for m in drafter.models.values())
@@ -68,12 +70,12 @@ class LocalDrafting:
         return (*self.drafter.models, "ngram")
 
     def session_drafts(self, current: SessionDrafts | None, speculation: Speculation) -> SessionDrafts:
-        """The session's drafting for these settings: the current one, or a new one (the old
-        one closed) when the settings changed."""
+        """The session's drafting for these settings: the current one, or a new one when the
+        settings changed (the old one closed once the new one is open)."""
         if current is not None and current.speculation == speculation:
             return current
+        draft = self.drafter.open_session("", speculation.method)  # raises for a method not served, or when full
         self.close(current)
-        draft = self.drafter.open_session("", speculation.method)  # raises for a method not served
         return SessionDrafts(speculation, draft, KChooser(speculation, self.shared, self.max_speculative_tokens))
 
     def observe_target_only(self, outcome, round_s: float) -> None:
@@ -94,12 +96,11 @@ class LocalDrafting:
         wanted = [i for i, (_, _, k, _) in enumerate(jobs) if k > 0]
         out = [LocalProposal()] * len(jobs)
         if wanted:
-            draft_jobs = [self._job(*jobs[i]) for i in wanted]
-            for i, proposal in zip(wanted, self._step(draft_jobs)):
+            for i, proposal in zip(wanted, self._step([self._job(*jobs[i]) for i in wanted])):
                 if isinstance(proposal, Proposal):
                     out[i] = self._in_vocabulary(proposal)
-                elif not isinstance(proposal, RequestError):
-                    log.warning("colocated drafting failed (%s); the round runs target-only", proposal)
+                elif not isinstance(proposal, RequestError):  # a request error: a sequence it cannot draft for
+                    self._failures.warning("colocated drafting failed (%s); the round runs target-only", proposal)
         timing.ended_ns = time.time_ns()
         return out, timing
 
@@ -121,6 +122,11 @@ class LocalDrafting:
                         drafts.speculation.min_draft_probability)  # fmt: skip
 
     def _step(self, jobs: list[DraftJob]) -> list:
-        # The target's torch threads draft too: setting another count per round would clear
-        # oneDNN's cache of kernels and fail the compiled steps' guards (a recompile).
-        return self.drafter.step(jobs)
+        """Each job's Proposal or error; a failure of the drafting itself (the drafter has
+        reset the caches it touched) fails every job, never the verifier's batch. The target's
+        torch threads draft too: setting another count per round would clear oneDNN's cache of
+        kernels and fail the compiled steps' guards (a recompile)."""
+        try:
+            return self.drafter.step(jobs)
+        except Exception as error:  # noqa: BLE001 - drafts are optional: the rounds run target-only
+            return [error] * len(jobs)
