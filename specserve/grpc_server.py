@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -244,3 +245,14 @@ def run_service(service_name: str, register: Callable[[grpc.Server], None], conf
         health_server.stop(0)
     if tracing is not None:
         tracing.shutdown()
+    _exit_if_compiling()
+
+
+def _exit_if_compiling() -> None:
+    """Leaves at once where a draft's steps are still compiling in a thread of their own: a
+    compile cannot be stopped, and finalising the interpreter under it aborts the process
+    ("terminate called without an active exception")."""
+    if any(t.name == "compile-steps" and t.is_alive() for t in threading.enumerate()):
+        log.info("stopped while a draft's steps were compiling")
+        logging.shutdown()
+        os._exit(0)
