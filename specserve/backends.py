@@ -62,6 +62,11 @@ class Backend(Protocol):
         """The logits [batch, vocab] float32 of each row's last token, and their argmax."""
         ...
 
+    def greedy_continue(self, sequence: KVSequence, token: int, steps: int) -> list[int] | None:
+        """A greedy draft continued as one call (token fed first, each argmax fed next):
+        the steps tokens made, or None where the backend has no such call for steps."""
+        ...
+
 
 class RunnerBackend:
     name = "runner"
@@ -74,7 +79,7 @@ class RunnerBackend:
     @property
     def compiling(self) -> bool:
         steps = self.runner.compiled_steps
-        return steps is not None and not (steps.ready or steps.failed)
+        return steps is not None and steps.compiling
 
     @property
     def in_use(self) -> int:
@@ -109,6 +114,15 @@ class RunnerBackend:
         for row in rows:
             row.sequence.length += len(row.tokens)
         return logits, argmax
+
+    def greedy_continue(self, sequence: KVSequence, token: int, steps: int) -> list[int] | None:
+        compiled = self.runner.compiled_steps
+        if compiled is None or not compiled.ready or sequence.length + steps > self.runner.max_len:
+            return None
+        made = compiled.greedy_run(sequence.slot, sequence.length, token, steps)
+        if made is not None:
+            sequence.length += steps
+        return made
 
 
 class TransformersBackend:
@@ -155,6 +169,9 @@ class TransformersBackend:
     def forward_last(self, rows: list[ForwardRow]) -> tuple[torch.Tensor, list[int]]:
         logits = torch.cat([x[-1:] for x in self.forward(rows)])
         return logits, logits.argmax(-1).tolist()
+
+    def greedy_continue(self, sequence: KVSequence, token: int, steps: int) -> list[int] | None:
+        return None
 
 
 def forward_in_budget(backend: Backend, rows: list[ForwardRow], max_batched_tokens: int) -> list[torch.Tensor]:

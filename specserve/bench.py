@@ -24,7 +24,7 @@ import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -290,14 +290,24 @@ def plan_rows(args) -> list[Row]:
     return rows
 
 
-def run(args, url: str) -> list[Row]:
+def run(args, url: str, metrics_port: int | None = None) -> list[Row]:
+    """Every row, interleaved prompt by prompt; metrics_port: the drafting service's metrics,
+    where the bench started the stack."""
     from tqdm import tqdm
 
     rows = plan_rows(args)
     prompts = {w: workload_prompts(w, args.prompts) for w in args.workloads}
     hf = Transformers(args.target, args.draft, args.hf_dtypes) if args.transformers else None
-    with httpx.Client() as client:  # warm-up: the first calls pay for lazy initialisation
-        stream_one(client, url, prompts[args.workloads[0]][0], Row("code", 0.0, 1, "draft_model", args.k[0]), 8, 0)
+    # Warm-up: the first calls pay for lazy initialisation, and a draft's first greedy rounds
+    # of each K start compiling its greedy run (waited for where the metrics are at hand).
+    warm_ups = {
+        (row.method, row.k, row.adaptive): row for row in rows if row.method not in ("none", "hf_target", "hf_assisted")
+    }
+    with httpx.Client() as client:
+        for row in warm_ups.values() or [Row("code", 0.0, 1, "draft_model", args.k[0])]:
+            stream_one(client, url, prompts[args.workloads[0]][0], replace(row, temperature=0.0, clients=1), 16, 0)
+    if metrics_port is not None:
+        wait_for_compiled_steps(metrics_port, time.monotonic() + 300)
     # Interleave: prompt by prompt, every row of a group gets its turn.
     steps = [(row, [p]) for i in range(args.prompts) for row in rows for p in [prompts[row.workload][i % len(prompts[row.workload])]]
              if row.clients == 1]  # fmt: skip
@@ -531,9 +541,11 @@ def main(argv: list[str] | None = None) -> int:
         args.workloads, args.temperatures, args.k, args.concurrency = ["code"], [0.0], [4], [1]
         args.adaptive = True
         args.prompts, args.max_tokens = min(args.prompts, 6), min(args.max_tokens, 64)
-    process, url = (None, args.url) if args.url else start_stack(args)
+    process, url, ports = (None, args.url, {}) if args.url else start_stack(args, with_ports=True)
     try:
-        records = results(run(args, url))
+        records = results(
+            run(args, url, ports.get("draft_metrics" if getattr(args, "draft_service", False) else "verify_metrics"))
+        )
     finally:
         if process is not None:
             process.terminate()

@@ -120,9 +120,16 @@ def _make_step(weights: dict, shape: tuple):
     return step
 
 
+# A draft's greedy steps after a round's catch-up run as one compiled call of up to this many
+# steps (greedy_run), one graph per count, for one session: each compiled call costs some
+# 0.1 ms of Python and guards besides its loops, a third of a demo draft step.
+GREEDY_RUN_STEPS = 7
+
+
 class CompiledSteps:
     """A runner's one-token steps through torch.compile (see the module docstring). ready
-    turns true once the compiled step has run and agreed with the eager forward."""
+    turns true once the compiled step has run and agreed with the eager forward. A draft's
+    greedy runs (greedy_run) compile afterwards, each when first asked for."""
 
     def __init__(self, runner, scratch_slot: int):
         self.runner = runner
@@ -130,6 +137,10 @@ class CompiledSteps:
         self.scratch_slot = scratch_slot
         self.ready = False
         self.failed = False
+        self._greedy_runs: dict[int, object] = {}  # steps -> compiled run, once built
+        self._asking = threading.Lock()
+        self._asked = False  # whether a greedy run was ever asked for
+        self._wanted: list[int] = []  # counts not compiled yet
         self.thread: threading.Thread | None = None
         spec = runner.spec
         shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps, spec.sliding_window or 0)
@@ -139,8 +150,9 @@ class CompiledSteps:
         # would take every core from a draft service, which goes on serving meanwhile.
         torch._inductor.config.compile_threads = 1
         _call_onednn_linear_as_is()
-        owner = f"{self.role}_{id(runner):x}"
-        self._compiled = torch.compile(_with_argmax(_make_step(_weights(runner), shape), owner))
+        self._owner = f"{self.role}_{id(runner):x}"
+        self._step_function = _make_step(_weights(runner), shape)
+        self._compiled = torch.compile(_with_argmax(self._step_function, self._owner))
 
     @staticmethod
     def supported(runner) -> str | None:
@@ -163,19 +175,29 @@ class CompiledSteps:
 
     def start(self) -> None:
         """Compiles and checks in a thread of its own (self.thread); the eager forward serves
-        until then. A draft's loops are compiled serial (inductor's cpp.threads, restored
-        after): a small draft's loops gain nothing from a second thread, and wherever the
-        other core is busy (the gateway, on one machine) each parallel loop waits for it
-        (docs/benchmarks.md)."""
+        until then."""
+        self._in_thread(self.compile)
+
+    def _in_thread(self, work) -> None:
+        """work in a thread of its own (self.thread), compiling serial: a draft's loops are
+        compiled serial (inductor's cpp.threads, restored after): a small draft's loops gain
+        nothing from a second thread, and wherever the other core is busy (the gateway, on one
+        machine) each parallel loop waits for it (docs/benchmarks.md)."""
 
         def compile_serial() -> None:
             import torch._inductor.config
 
             with CompiledSteps._serial_compiles, torch._inductor.config.patch({"cpp.threads": 1}):
-                self.compile()
+                work()
 
         self.thread = threading.Thread(target=compile_serial, name="compile-steps", daemon=True)
         self.thread.start()
+
+    @property
+    def compiling(self) -> bool:
+        """Whether a compile runs: the steps', or a greedy run's."""
+        thread = self.thread
+        return thread is not None and thread.is_alive()
 
     @torch.inference_mode()
     def compile(self) -> None:
@@ -209,6 +231,59 @@ class CompiledSteps:
             return
         self.ready = True
         log.info("compiled the %s's one-token steps in %.1f s", self.role, time.perf_counter() - started)
+
+    def greedy_run(self, slot: int, position: int, token: int, steps: int) -> list[int] | None:
+        """A greedy draft of one session continued for steps steps as one call: token is fed at
+        position, each step's argmax is fed next; returns the steps argmax tokens, and the
+        slot then holds steps more keys. None where no run of that count is compiled yet: the
+        first ask starts compiling every count, its own first, in the background (a few
+        seconds of a core each), and the one-token steps serve meanwhile."""
+        run = self._greedy_runs.get(steps)
+        if run is not None:
+            return self._run(run, slot, position, token, steps)[0].tolist()
+        if 0 < steps <= GREEDY_RUN_STEPS and self.ready:
+            with self._asking:
+                if not self._asked:  # this count first, then every other (K changes as it runs)
+                    self._asked = True
+                    self._wanted = [steps, *(n for n in range(1, GREEDY_RUN_STEPS + 1) if n != steps)]
+                    self._in_thread(self._compile_greedy_runs)
+        return None
+
+    @torch.inference_mode()
+    def _compile_greedy_runs(self) -> None:
+        """Each greedy run asked for, compiled and checked on the scratch slot against as many
+        one-token steps; a count that fails either is left to the steps."""
+        runner, slot = self.runner, self.scratch_slot
+        while True:
+            with self._asking:
+                if not self._wanted:
+                    return
+                steps = self._wanted.pop(0)
+            started = time.perf_counter()
+            position = min(KEY_BLOCK, runner.max_len - steps)
+            try:
+                run = torch.compile(_greedy_run(self._step_function, steps, self._owner))
+                made = self._run(run, slot, position, 5, steps)[0].tolist()
+                expected, token = [], 5
+                for i in range(steps):
+                    token = int(self.step([slot], [position + i], [token])[0].argmax())
+                    expected.append(token)
+                if made != expected:
+                    raise RuntimeError(f"greedy run made {made}, its one-token steps {expected}")
+            except Exception:  # noqa: BLE001 - the one-token steps serve this count
+                log.exception("torch.compile of the draft's greedy run of %d steps failed", steps)
+                continue
+            self._greedy_runs[steps] = run
+            log.info("compiled the draft's greedy run of %d steps in %.1f s", steps, time.perf_counter() - started)
+
+    @torch.inference_mode()  # as it was compiled: another grad mode would compile it again, inline
+    def _run(self, run, slot: int, position: int, token: int, steps: int) -> torch.Tensor:
+        runner = self.runner
+        num_keys = min(runner.max_len, -(-(position + steps) // KEY_BLOCK) * KEY_BLOCK)
+        inputs = [torch.tensor([value], device=runner.device) for value in (token, slot, position)]
+        key_index = torch.arange(num_keys, device=runner.device)
+        torch._dynamo.mark_dynamic(key_index, 0)
+        return run(runner.k_cache, runner.v_cache, *inputs, key_index)  # [1, steps]
 
     def _check_batch_independence(self, slot: int, prompt: list[int]) -> None:
         """A target's steps must give each token the same logits, to the bit, whether it is
@@ -246,6 +321,29 @@ class CompiledSteps:
         return self._compiled(runner.k_cache, runner.v_cache, *inputs, key_index)
 
 
+def _greedy_run(step, steps: int, owner: str):
+    """steps one-token steps of one session, each fed the argmax of the one before; returns
+    the argmax tokens [1, steps]. A code object of its own per count and owner (see
+    _with_argmax)."""
+
+    def greedy_run(k_cache, v_cache, tokens, slots, positions, key_index) -> torch.Tensor:
+        made = []
+        for _ in range(steps):
+            tokens = step(k_cache, v_cache, tokens, slots, positions, key_index).argmax(-1)
+            made.append(tokens)
+            positions = positions + 1
+        return torch.stack(made, 1)
+
+    return _own_code(greedy_run, f"greedy_run_{steps}_{owner}")
+
+
+def _own_code(function, name: str):
+    """function with a code object of its own, named name (torch.compile keeps its graphs per
+    code object)."""
+    code = function.__code__.replace(co_name=name)
+    return types.FunctionType(code, function.__globals__, name, None, function.__closure__)
+
+
 def _with_argmax(step, owner: str):
     """The step, also returning each row's argmax: a greedy draft's token, or a greedy
     decision's, computed in the compiled loops instead of by an op of its own.
@@ -259,8 +357,7 @@ def _with_argmax(step, owner: str):
         logits = step(*args)
         return logits, logits.argmax(-1)
 
-    code = step_with_argmax.__code__.replace(co_name=f"step_with_argmax_{owner}")
-    return types.FunctionType(code, step_with_argmax.__globals__, code.co_name, None, step_with_argmax.__closure__)
+    return _own_code(step_with_argmax, f"step_with_argmax_{owner}")
 
 
 def _weights(runner) -> dict:

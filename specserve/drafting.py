@@ -223,6 +223,8 @@ class Drafter:
         tokens first, then one token per row. Each forward gives the last token's logits and
         argmax (a greedy draft's token) of each row."""
         logits, argmax = self._catch_up(backend, [self._catch_up_row(d) for d in batch])
+        if self._greedy_run(backend, batch, argmax):
+            return
         i = 0
         while True:
             for b, d in enumerate(batch):
@@ -237,6 +239,23 @@ class Drafter:
                 batch[b].job.session.cached_tokens.append(batch[b].drafts[-1])
                 logits[b], argmax[b] = new_logits[j], new_argmax[j]
             i += 1
+
+    @staticmethod
+    def _greedy_run(backend: Backend, batch: list[_Drafting], argmax: list[int]) -> bool:
+        """A lone greedy session drafts its K - 1 steps after the catch-up in one call where
+        the backend has one; whether it did."""
+        d = batch[0]
+        job = d.job
+        if len(batch) > 1 or not job.sampling.is_greedy or job.min_draft_probability > 0 or job.want_bonus_guess:
+            return False
+        if d.k < 2:
+            return False
+        rest = backend.greedy_continue(job.session.sequence, argmax[0], d.k - 1)
+        if rest is None:
+            return False
+        d.drafts = [argmax[0], *rest]
+        job.session.cached_tokens.extend(d.drafts[:-1])  # the last draft's keys are not made
+        return True
 
     def _catch_up(self, backend: Backend, rows: list[ForwardRow]) -> tuple[list[torch.Tensor], list[int]]:
         """Each row's last logits [vocab] and argmax after feeding it: rows of a few tokens in

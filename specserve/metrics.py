@@ -127,8 +127,9 @@ class ServiceMetrics:
             start_http_server(port, addr=host, registry=self.registry)
 
     def count_compiling(self, models: dict) -> None:
-        """specserve:drafter_compiling_steps: how many of these models (a drafter's) are still
-        building their compiled steps, their eager forward serving meanwhile."""
-        compiling = Gauge("specserve:drafter_compiling_steps", "Draft models whose compiled one-token steps are being "
-                          "built (their eager forward serves meanwhile).", registry=self.registry)  # fmt: skip
+        """specserve:drafter_compiling_steps: how many of these models (a drafter's) are
+        building compiled steps (at start-up) or a greedy run (when first asked for), their
+        eager forward or one-token steps serving meanwhile."""
+        compiling = Gauge("specserve:drafter_compiling_steps", "Draft models building compiled steps or greedy runs "
+                          "(the eager forward or one-token steps serve meanwhile).", registry=self.registry)  # fmt: skip
         compiling.set_function(lambda: sum(m.backend.compiling for m in models.values()))

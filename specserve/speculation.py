@@ -81,8 +81,10 @@ SMOOTHING = 0.5  # rounds' worth of PRIOR_ACCEPTANCE in every rate: one rejectio
 PRIOR_SLOPE = {"verify": 0.05, "draft": 0.5}
 # Target-only tokens before drafting is tried again, doubling while drafts do not pay.
 PROBE_STRETCH = (4, 64)
-# A size's weight in the line through the sizes grows with its samples up to this.
-MAX_POINT_WEIGHT = 20
+# A size's weight in the line through the sizes grows with its samples up to this, and fades
+# by this factor with each sample of any size: a size measured only while the process was
+# slower (a compile in the background, another load) does not bend the line for good.
+MAX_POINT_WEIGHT, POINT_WEIGHT_DECAY = 20, 0.98
 
 
 class _Average:
@@ -107,12 +109,14 @@ class _Line:
     def __init__(self, prior_slope: float):
         self.prior_slope = prior_slope  # of size 1's cost per unit, while one size is known
         self.averages: dict[int, _Average] = {}
-        self.counts: dict[int, int] = {}
+        self.counts: dict[int, float] = {}  # each size's weight (see POINT_WEIGHT_DECAY)
         self._fit: tuple[float, float, float] | None = None  # (mean size, mean cost, slope); None: stale
 
     def add(self, size: int, seconds: float) -> None:
         self.averages.setdefault(size, _Average()).add(seconds)
-        self.counts[size] = self.counts.get(size, 0) + 1
+        for n in self.counts:  # sizes not measured lately fade: their costs may be stale
+            self.counts[n] *= POINT_WEIGHT_DECAY
+        self.counts[size] = min(self.counts.get(size, 0) + 1, MAX_POINT_WEIGHT)
         self._fit = None  # fitted again when next asked
 
     def at(self, size: int) -> float | None:
@@ -124,7 +128,7 @@ class _Line:
         return max(0.0, mean_v + slope * (size - mean_n))
 
     def _line(self) -> tuple[float, float, float]:
-        points = [(n, a.value, min(self.counts[n], MAX_POINT_WEIGHT)) for n, a in self.averages.items()]
+        points = [(n, a.value, self.counts[n]) for n, a in self.averages.items()]
         weight = sum(c for _, _, c in points)
         mean_n = sum(n * c for n, _, c in points) / weight
         mean_v = sum(v * c for _, v, c in points) / weight

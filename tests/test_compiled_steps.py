@@ -173,3 +173,32 @@ def test_a_target_whose_steps_depend_on_the_batch_serves_eager(tmp_path, monkeyp
     assert "a target's results would depend on its batch" in caplog.text
     slot = runner.allocate()
     assert runner.forward([slot], [0], [[1]], [1])[0].shape == (1, 300)
+
+
+@needs_compiler
+def test_a_greedy_run_makes_the_tokens_of_as_many_steps_once_compiled(tmp_path, monkeypatch):
+    """A draft's greedy runs: compiled once one is first asked for (None until then, the
+    steps serve), then the tokens and keys of as many one-token steps in one call."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled_steps, "GREEDY_RUN_STEPS", 3)  # counts 1 to 3: a shorter compile
+    directory = save("llama-tied-bias", tmp_path)
+    runner, eager = draft_runner(directory, True), draft_runner(directory, False)
+    steps = runner.compiled_steps
+    steps.thread.join(timeout=600)
+    prompt = list(range(3, 40))
+    slots = [r.allocate() for r in (runner, eager)]
+    for r, s in zip((runner, eager), slots):
+        r.forward([s], [0], [prompt], [1])
+    assert steps.greedy_run(slots[0], len(prompt), 7, 3) is None and steps.compiling  # asked: compiling now
+    steps.thread.join(timeout=600)
+    assert not steps.compiling and sorted(steps._greedy_runs) == [1, 2, 3]
+    assert steps.greedy_run(slots[0], len(prompt), 7, 4) is None and not steps.compiling  # past the longest
+    made = steps.greedy_run(slots[0], len(prompt), 7, 3)
+    expected, token = [], 7
+    for i in range(3):
+        token = int(eager.forward([slots[1]], [len(prompt) + i], [[token]], [1])[0][-1].argmax())
+        expected.append(token)
+    assert made == expected
+    # The keys of the tokens fed (7 and the first two made) are in the slot: the next step agrees.
+    after = [r.forward([s], [len(prompt) + 3], [[made[-1]]], [1])[0][-1] for r, s in zip((runner, eager), slots)]
+    torch.testing.assert_close(after[0], after[1], atol=1e-4, rtol=1e-4)

@@ -80,6 +80,21 @@ def test_verify_cost_is_a_line_through_the_sizes_seen():
     assert measured.round_seconds("draft_model", 0) == pytest.approx(0.0025, rel=0.05)
 
 
+def test_a_size_measured_only_while_slower_fades_from_the_line():
+    """Drafting of 1 token measured while a compile ran (three times its cost), then only 4
+    and 8 tokens for a while: the line runs through the fresh sizes again."""
+    costs = RoundCosts()
+    for _ in range(20):
+        costs.observe("draft_model", 1, 3e-3, 1e-3, 5e-3)
+    stale = costs.drafting["draft_model"].at(1)
+    for _ in range(150):
+        costs.observe("draft_model", 4, 1.6e-3, 1e-3, 3e-3)
+        costs.observe("draft_model", 8, 2.4e-3, 1e-3, 4e-3)
+    fresh = 1.6e-3 - 3 * (2.4e-3 - 1.6e-3) / 4  # the line through 4 and 8, at 1
+    assert stale == pytest.approx(3e-3)
+    assert costs.drafting["draft_model"].at(1) == pytest.approx(fresh, rel=0.05)
+
+
 def test_expected_tokens_follow_the_rates_of_each_position():
     seen = Acceptance()
     for _ in range(200):
