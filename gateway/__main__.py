@@ -31,19 +31,23 @@ def main(argv: list[str] | None = None) -> int:
         )
         draft = None
         if config.draft_address:
-            draft = wait_for_model_info(
-                config.draft_address, draft_pb2_grpc.DraftServiceStub, config.startup_timeout_s, security
-            )
+            try:
+                draft = wait_for_model_info(
+                    config.draft_address, draft_pb2_grpc.DraftServiceStub, config.draft_startup_wait_s, security
+                )
+            except TimeoutError as error:  # an outage of the drafts is no outage of the service
+                log.warning("%s; serving target-only rounds until the draft service answers", error)
         check_pair(target, draft, tokenizer_fingerprint(tokenizer))
     except (IncompatibleModels, TimeoutError, ValueError) as error:
         log.error("refusing to start: %s", error)
         return 2
-    served = served_model(target, draft, config.served_model_name)
+    served = served_model(target, draft, config.served_model_name, draft_service=bool(config.draft_address))
     drafts = [f"{', '.join(sorted(served.local_methods)) or 'none'} in the verifier"]
-    if draft is not None:
-        drafts.append(f"{', '.join(sorted(served.remote_methods))} from the draft service ({draft.model_name})")
+    if config.draft_address:
+        name = draft.model_name if draft is not None else "not answering yet"
+        drafts.append(f"{', '.join(sorted(served.remote_methods))} from the draft service ({name})")
     log.info("serving %s on http://%s:%d; drafts: %s", served.name, config.host, config.port, "; ".join(drafts))
-    app = create_app(config, served, tokenizer)
+    app = create_app(config, served, tokenizer, target, draft)
     https = {"ssl_certfile": config.http_tls_cert, "ssl_keyfile": config.http_tls_key} if config.http_tls_cert else {}
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=10, **https)
     if tracing is not None:

@@ -7,6 +7,7 @@ K bounds) happens in `plan_for`, after parsing.
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Literal
 
@@ -55,10 +56,33 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
-    """Fields common to completions and chat completions."""
+# OpenAI's and vLLM's sampling and output fields that this server does not implement yet,
+# with the values that ask for nothing (a request may send those); any other value is a
+# 400 that names the field, never a silent default.
+UNSUPPORTED = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "length_penalty": (1,),
+    "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"),
+    "functions": ([],), "function_call": ("none", "auto"), "min_p": (0,), "min_tokens": (0,),
+    "stop_token_ids": ([],), "ignore_eos": (False,), "top_logprobs": (0,), "prompt_logprobs": (0,),
+    "use_beam_search": (False,), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "guided_decoding_backend": (), "structured_outputs": (), "logits_processors": ([],),
+    "allowed_token_ids": ([],), "bad_words": ([],), "truncate_prompt_tokens": (), "prediction": (),
+    "audio": (), "modalities": (["text"],), "continue_final_message": (False,), "add_generation_prompt": (True,),
+    "chat_template": (), "chat_template_kwargs": ({},), "documents": (), "reasoning_effort": (),
+}  # fmt: skip
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 64, 1024
+# Sampling parameters are carried as 32-bit floats: these bounds keep them normal numbers
+# whose effect is what was asked (a temperature of 1e-40 would divide the logits by zero).
+TEMPERATURE_RANGE = (1e-3, 100.0)
+MIN_TOP_P = 1e-6
 
-    model_config = ConfigDict(extra="ignore")
+
+class _GenerationRequest(BaseModel):
+    """Fields common to completions and chat completions. Fields not named here are ignored,
+    except those of UNSUPPORTED set to a value that asks for something."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -82,7 +106,11 @@ class _GenerationRequest(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stops):
             raise bad_request("stop strings must not be empty", "stop")
-        return tuple(stops)
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in stops):
+            raise bad_request(
+                f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LENGTH} characters each", "stop"
+            )
+        return tuple(dict.fromkeys(stops))
 
 
 class CompletionRequest(_GenerationRequest):
@@ -125,6 +153,14 @@ def check_model(requested: str | None, served: ServedModel) -> None:
 
 
 def check_unsupported(request: _GenerationRequest) -> None:
+    for name, value in (request.model_extra or {}).items():
+        if name in UNSUPPORTED and value is not None and not any(_same(value, d) for d in UNSUPPORTED[name]):
+            neutral = " or ".join(json.dumps(d) for d in UNSUPPORTED[name])
+            raise bad_request(
+                f"{name} is not supported by this server; leave it out"
+                + (f" or set it to {neutral}" if neutral else ""),
+                name,
+            )
     if request.n not in (None, 1):
         raise bad_request("only n = 1 is supported", "n")
     if request.logprobs not in (None, False, 0):
@@ -138,16 +174,26 @@ def check_unsupported(request: _GenerationRequest) -> None:
             raise bad_request("suffix is not supported", "suffix")
 
 
-def sampling_for(request: _GenerationRequest) -> SamplingParams:
+def _same(value, neutral) -> bool:
+    """value is neutral (numbers compared as numbers, 0 == 0.0, but False is no 0)."""
+    if isinstance(neutral, bool) or isinstance(value, bool):
+        return value is neutral
+    return value == neutral
+
+
+def sampling_for(request: _GenerationRequest, vocab_size: int) -> SamplingParams:
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     top_k = 0 if request.top_k in (None, -1) else request.top_k
-    if not temperature >= 0:
-        raise bad_request("temperature must be >= 0", "temperature")
-    if not 0 < top_p <= 1:
-        raise bad_request("top_p must lie in (0, 1]", "top_p")
+    low, high = TEMPERATURE_RANGE
+    if not (temperature == 0 or low <= temperature <= high):
+        raise bad_request(f"temperature must be 0 (greedy) or lie in [{low:g}, {high:g}]", "temperature")
+    if not MIN_TOP_P <= top_p <= 1:
+        raise bad_request(f"top_p must lie in [{MIN_TOP_P:g}, 1]", "top_p")
     if top_k < 0:
         raise bad_request("top_k must be >= 0 (0 or -1 keeps every token)", "top_k")
+    if top_k >= vocab_size:
+        top_k = 0  # keeps every token, as 0 does
     seed = secrets.randbits(63) if request.seed is None else request.seed
     if not 0 <= seed < 2**64:
         raise bad_request("seed must lie in [0, 2**64)", "seed")
@@ -207,7 +253,7 @@ def plan_for(
     return GenerationPlan(
         prompt_token_ids=prompt_token_ids,
         max_tokens=max_tokens,
-        sampling=sampling_for(request),
+        sampling=sampling_for(request, served.vocab_size),
         method=method,
         num_speculative_tokens=min(k, served.max_speculative_tokens),
         adaptive=adaptive and not seeded_sampled,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -15,14 +17,17 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 
 from gateway.api import ApiError, ChatCompletionRequest, CompletionRequest, bad_request, check_model, plan_for
-from gateway.backends import Backends, ServedModel
+from gateway.backends import Backends, IncompatibleModels, ServedModel, check_pair, served_model
 from gateway.config import GatewayConfig
 from gateway.generation import GenerationPlan, SpeculationStats, generate
 from gateway.observe import RequestObserver
+from gateway.replicas import NoReplica
 from gateway.text import TextAssembler
 from specserve.metrics import GatewayMetrics
+from specserve.v1.common_pb2 import ModelInfo, ModelInfoRequest
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +38,8 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 UNTRACED_PATHS = ("/health", "/metrics")
+TOKENIZER_THREADS = 2
+OPEN_PATHS = ("/health", "/metrics")  # no API key: probes and Prometheus's scrapes
 
 _GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -51,6 +58,9 @@ class Gateway:
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     backends: Backends | None = None
     in_flight: int = 0  # requests being generated (touched only on the event loop)
+    tokenizer_threads: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+    )
 
     def crowded(self) -> bool:
         """Whether more requests run than speculation pays for (max_speculating_requests)."""
@@ -58,7 +68,6 @@ class Gateway:
         return limit > 0 and self.in_flight > limit
 
     def plan(self, request, prompt_token_ids: list[int]) -> GenerationPlan:
-        check_model(request.model, self.served)
         return plan_for(request, prompt_token_ids, self.served, self.config)
 
     def completion_prompt(self, request: CompletionRequest) -> list[int]:
@@ -74,22 +83,45 @@ class Gateway:
     def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         template = None if getattr(self.tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, chat_template=template
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, chat_template=template
+            )
+        except (TemplateError, ValueError, TypeError, KeyError, IndexError) as error:
+            raise bad_request(f"the model's chat template refused these messages: {error}", "messages") from None
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    async def off_loop(self, work, *args):
+        """work(*args) in the tokenizer threads: a long prompt's tokenization must not hold
+        up the event loop (other requests' rounds, health probes)."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_threads, work, *args)
 
-def create_app(config: GatewayConfig, served: ServedModel, tokenizer) -> FastAPI:
+
+def create_app(
+    config: GatewayConfig,
+    served: ServedModel,
+    tokenizer,
+    target: ModelInfo | None = None,
+    draft: ModelInfo | None = None,
+) -> FastAPI:
+    """target, draft: the services' models as they answered at start-up; a configured draft
+    service that had not answered (draft None, target given) is watched for, and drafts once
+    it answers with the target's vocabulary."""
     gateway = Gateway(config, served, tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        gateway.backends = Backends(
-            config.draft_address, config.verify_address, config.deadlines, config.channel_security
-        )
+        backends = Backends(config.draft_address, config.verify_address, config.deadlines, config.channel_security)
+        gateway.backends = backends
+        await backends.start()
+        backends.draft_usable = draft is not None or target is None
+        watch = None
+        if backends.draft_configured and not backends.draft_usable:
+            watch = asyncio.ensure_future(_watch_draft_service(gateway, target))
         yield
-        await gateway.backends.close()
+        if watch is not None:
+            watch.cancel()
+        await backends.close()
 
     # FastAPI traces each HTTP request itself (the root span of a request's trace) once a
     # tracer provider is set; health and metrics scrapes stay untraced.
@@ -101,9 +133,9 @@ def create_app(config: GatewayConfig, served: ServedModel, tokenizer) -> FastAPI
 
     @app.get("/health")
     async def health():
-        if await gateway.backends.ready():
-            return {"status": "ok"}
-        return JSONResponse({"status": "unavailable"}, status_code=503)
+        """Ready (200) while a verifier replica serves; the body says which parts are up."""
+        body = await gateway.backends.health()
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -116,55 +148,141 @@ def create_app(config: GatewayConfig, served: ServedModel, tokenizer) -> FastAPI
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
-        plan = gateway.plan(request, gateway.completion_prompt(request))
-        return await _respond(gateway, request, plan, chat=False)
+    async def completions(request: CompletionRequest, http: Request):
+        check_model(request.model, gateway.served)
+        prompt = await gateway.off_loop(gateway.completion_prompt, request)
+        return await _respond(gateway, request, gateway.plan(request, prompt), chat=False, http=http)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest):
-        plan = gateway.plan(request, gateway.chat_prompt(request))
-        return await _respond(gateway, request, plan, chat=True)
+    async def chat_completions(request: ChatCompletionRequest, http: Request):
+        check_model(request.model, gateway.served)
+        prompt = await gateway.off_loop(gateway.chat_prompt, request)
+        return await _respond(gateway, request, gateway.plan(request, prompt), chat=True, http=http)
 
     return app
 
 
 class Guard:
-    """ASGI middleware: API keys on every route but /health, and a bound on the requests in
-    flight (a streamed request counts until its stream ends)."""
+    """ASGI middleware: a request id on every answer (x-request-id), API keys on every route
+    but OPEN_PATHS, request bodies bounded while they stream in (chunked ones too), a bound
+    on the requests in flight (a streamed request counts until its stream ends), and the last
+    resort: an unexpected error is a 500 in OpenAI's shape that names the request, logged."""
 
     def __init__(self, app, gateway: Gateway):
         self.app = app
         self.gateway = gateway
-        self.keys = gateway.config.api_key_set
+        self.keys = [key.encode() for key in gateway.config.api_key_set]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.keys and scope["path"] != "/health" and not self._authorised(scope):
+        request_id = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, send_with_id)
+        except Exception as error:  # noqa: BLE001 - the last resort: no request takes the gateway down
+            log.exception("request %s failed unexpectedly: %s %s", request_id, scope["method"], scope["path"])
+            if not started:
+                body = ApiError(500, f"internal error; request id {request_id}", code="internal_error").body()
+                await JSONResponse(body, status_code=500)(scope, receive, send_with_id)
+            elif not isinstance(error, OSError):
+                raise
+
+    async def _guarded(self, scope, receive, send):
+        if self.keys and scope["path"] not in OPEN_PATHS and not self._authorised(scope):
             error = ApiError(401, "a valid API key is required: 'Authorization: Bearer KEY'", code="invalid_api_key")
             reply = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
             return await reply(scope, receive, send)
         if not (scope["method"] == "POST" and scope["path"].startswith("/v1/")):
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > self.gateway.config.max_body_bytes:
-            error = ApiError(
-                413, f"request bodies are limited to {self.gateway.config.max_body_bytes} bytes", code="too_large"
-            )
-            return await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+        limit = self.gateway.config.max_body_bytes
+        too_large = ApiError(413, f"request bodies are limited to {limit} bytes", code="too_large")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return await JSONResponse(too_large.body(), status_code=413)(scope, receive, send)
         if self.gateway.in_flight >= self.gateway.config.max_concurrent_requests:
             error = ApiError(429, "the server is at capacity; retry shortly", code="too_many_requests")
             return await JSONResponse(error.body(), status_code=429, headers={"Retry-After": "1"})(scope, receive, send)
         self.gateway.in_flight += 1
         try:
-            await self.app(scope, receive, send)
+            body = await _read_body(receive, limit)
+            if body is None:
+                return await JSONResponse(too_large.body(), status_code=413)(scope, receive, send)
+            await self.app(scope, _replay(body, receive), send)
         finally:
             self.gateway.in_flight -= 1
 
     def _authorised(self, scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        scheme, _, key = header.partition(" ")
-        return scheme.lower() == "bearer" and any(hmac.compare_digest(key, k) for k in self.keys)
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, key = header.partition(b" ")
+        return scheme.lower() == b"bearer" and any(hmac.compare_digest(key, k) for k in self.keys)
+
+
+async def _read_body(receive, limit: int) -> bytes | None:
+    """The whole request body, read as it streams in; None once it passes limit bytes (the
+    rest is not read)."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """A receive that gives the body read already, then what the client sends next (its
+    disconnect)."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def _watch_draft_service(gateway: Gateway, target: ModelInfo) -> None:
+    """Asks the draft service's replicas for their model until one answers; a model with the
+    target's vocabulary starts drafting, another is refused (its methods stay target-only)."""
+    backends, said = gateway.backends, False
+    while True:
+        for replica in list(backends.drafters.replicas.values()):
+            try:
+                info = await replica.stub.GetModelInfo(ModelInfoRequest(), timeout=2)
+            except grpc.RpcError as error:
+                if not said:
+                    log.info("waiting for the draft service (%s)", error.code().name)
+                    said = True
+                continue
+            try:
+                check_pair(target, info, target.tokenizer_fingerprint)
+            except IncompatibleModels as error:
+                log.error("%s; its methods stay target-only", error)
+                return
+            gateway.served = served_model(target, info, gateway.config.served_model_name, draft_service=True)
+            backends.draft_usable = True
+            log.info("the draft service answers (%s): drafting", info.model_name)
+            return
+        await asyncio.sleep(1.0)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -178,6 +296,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         location = [str(part) for part in first.get("loc", ()) if part != "body"]
         message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
         return JSONResponse(bad_request(message, ".".join(location) or None).body(), status_code=400)
+
+    @app.exception_handler(NoReplica)
+    async def no_replica(request: Request, error: NoReplica):
+        body = ApiError(503, str(error), code="unavailable").body()
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(grpc.aio.AioRpcError)
     async def backend_error(request: Request, error: grpc.aio.AioRpcError):
@@ -263,7 +386,7 @@ class _Run:
         self.observer.finish(len(self.assembler.token_ids), self.assembler.finish_reason, error)
 
 
-async def _respond(gateway: Gateway, request, plan: GenerationPlan, chat: bool):
+async def _respond(gateway: Gateway, request, plan: GenerationPlan, chat: bool, http: Request | None = None):
     stats = SpeculationStats()
     observer = RequestObserver(gateway.metrics, chat, gateway.served.name, plan)
     run = _Run(
@@ -277,16 +400,37 @@ async def _respond(gateway: Gateway, request, plan: GenerationPlan, chat: bool):
         response=_Response(chat, gateway.served.name, request.return_token_ids),
         timings=request.return_timings,
     )
-    try:
-        first = await run.rounds.__anext__()  # a failed prefill is still an HTTP error, not an event
-    except BaseException as error:
-        await run.close(error)
-        raise
     if request.stream:
+        try:
+            first = await run.rounds.__anext__()  # a failed prefill is still an HTTP error, not an event
+        except BaseException as error:
+            await run.close(error)
+            raise
         return StreamingResponse(_stream(run, first, request.include_usage()), media_type="text/event-stream")
-    error = None
+    # A plain request's client may leave (a timeout): its generation stops there, and its
+    # sessions are freed at once (a stream's is stopped by the response itself).
+    whole = asyncio.ensure_future(_whole(run))
+    gone = asyncio.ensure_future(_disconnected(http)) if http is not None else None
     try:
-        text = run.add(first).text
+        await asyncio.wait([whole] + ([gone] if gone else []), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not whole.done():
+            whole.cancel()
+            await asyncio.wait([whole])
+        if gone is not None:
+            gone.cancel()
+    if whole.cancelled():
+        return Response(status_code=499)  # nobody reads it
+    text = whole.result()
+    return run.response.full(text, run.assembler.token_ids, run.assembler.finish_reason, run.usage())
+
+
+async def _whole(run: _Run) -> str:
+    """All of a plain request's text; its sessions are closed however it ends."""
+    error, text = None, ""
+    try:
+        tokens = await run.rounds.__anext__()
+        text = run.add(tokens).text
         while not run.assembler.finished:
             text += run.add(await run.rounds.__anext__()).text
     except StopAsyncIteration:
@@ -296,7 +440,13 @@ async def _respond(gateway: Gateway, request, plan: GenerationPlan, chat: bool):
         raise
     finally:
         await run.close(error)
-    return run.response.full(text, run.assembler.token_ids, run.assembler.finish_reason, run.usage())
+    return text
+
+
+async def _disconnected(http: Request) -> None:
+    """Returns once the client has gone away."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _stream(run: _Run, first: list[int], include_usage: bool) -> AsyncIterator[str]:
@@ -321,6 +471,13 @@ async def _stream(run: _Run, first: list[int], include_usage: bool) -> AsyncIter
         log.warning("stream failed: %s: %s", failure.code().name, failure.details())
         status = _GRPC_TO_HTTP.get(failure.code(), 500)
         yield _sse(ApiError(status, f"backend: {failure.details()}", code=failure.code().name.lower()).body())
+    except NoReplica as failure:
+        error = failure
+        yield _sse(ApiError(503, str(failure), code="unavailable").body())
+    except Exception as failure:  # noqa: BLE001 - the stream ends in an error event, not a dropped connection
+        error = failure
+        log.exception("stream failed unexpectedly")
+        yield _sse(ApiError(500, "internal error", code="internal_error").body())
     finally:
         await run.close(error)
     yield "data: [DONE]\n\n"

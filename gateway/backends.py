@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.replicas import DNS_SCHEME, ReplicaSet, Route, split_addresses
 from specserve.speculation import Shared
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2_grpc
 
@@ -30,8 +30,9 @@ class ServedModel:
     remote_methods: frozenset[str] = frozenset()  # drafted by the draft service
 
 
-# Spread calls (and draft streams) over every address a name resolves to: behind a headless
-# Service, dns:///specserve-verify:50052 is one address per verifier replica.
+# A channel to a name that resolves to several addresses spreads its calls over them (the
+# start-up's model queries); a session's calls go to one replica (gateway.replicas), each
+# replica's channel dialling one address.
 ROUND_ROBIN = ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}]}')
 
 
@@ -45,20 +46,27 @@ def open_channel(address: str, security: tuple = (None, []), aio: bool = False):
     return grpc_module.insecure_channel(address, options=options)
 
 
-def wait_for_model_info(address: str, stub_cls, timeout_s: float, security: tuple = (None, [])) -> common_pb2.ModelInfo:
-    """Polls a service's GetModelInfo until it answers (it may still be loading its model)."""
+def wait_for_model_info(target: str, stub_cls, timeout_s: float, security: tuple = (None, [])) -> common_pb2.ModelInfo:
+    """Polls a service's GetModelInfo until one of its replicas answers (it may still be
+    loading its model); target as gateway.replicas takes it."""
+    addresses, dns_name = split_addresses(target)
     deadline = time.monotonic() + timeout_s
-    with open_channel(address, security) as channel:
-        stub = stub_cls(channel)
+    channels = [open_channel(a, security) for a in addresses or [DNS_SCHEME + dns_name]]
+    try:
+        stubs = [stub_cls(channel) for channel in channels]
         while True:
-            try:
-                return stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=5, wait_for_ready=True)
-            except grpc.RpcError as error:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"no answer from {address} within {timeout_s:.0f} s: {error.details()}"
-                    ) from None
-                time.sleep(0.5)
+            wait = min(5.0, max(0.1, deadline - time.monotonic())) / len(stubs)
+            for stub in stubs:
+                try:
+                    return stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=wait, wait_for_ready=True)
+                except grpc.RpcError as error:
+                    details = error.details()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no answer from {target} within {timeout_s:.0f} s: {details}")
+            time.sleep(0.5)
+    finally:
+        for channel in channels:
+            channel.close()
 
 
 def check_pair(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | None, gateway_fingerprint: str) -> None:
@@ -79,12 +87,15 @@ def check_pair(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | None,
 REMOTE_METHODS = frozenset({"draft_model", "early_exit", "ngram"})
 
 
-def served_model(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | None, name: str) -> ServedModel:
-    """What the pair serves; draft is None without a draft service (the verifier's own
-    drafting only)."""
+def served_model(
+    target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | None, name: str, draft_service: bool = False
+) -> ServedModel:
+    """What the pair serves. draft: the draft service's model, None without a draft service
+    or (draft_service true) while it has not answered yet: its methods are served (as
+    target-only rounds until it answers), within the verifier's K."""
     local = frozenset(target.local_methods)
     max_k = target.max_speculative_tokens
-    remote = frozenset()
+    remote = REMOTE_METHODS - local if draft_service else frozenset()
     if draft is not None:
         max_k = min(max_k, draft.max_speculative_tokens)
         remote = frozenset(draft.local_methods or REMOTE_METHODS) - local  # an older service does not say
@@ -111,7 +122,8 @@ class Deadlines:
 
 
 class Backends:
-    """Async stubs of both services, opened inside the gateway's event loop."""
+    """Async stubs of both services' replicas (gateway.replicas), opened inside the gateway's
+    event loop, and whether the draft service may be used."""
 
     def __init__(self, draft_address: str, verify_address: str, deadlines: Deadlines, security: tuple = (None, [])):
         """draft_address empty: no draft service (the verifier drafts for itself)."""
@@ -119,28 +131,50 @@ class Backends:
         self.shared = Shared()  # what the draft service's rounds have cost so far, and their acceptance
         self.detached: set[asyncio.Task] = set()  # releases that outlive their cancelled requests
         self.rpc_timeout_s = deadlines.rpc_timeout_s
-        self._verify_channel = open_channel(verify_address, security, aio=True)
-        self.verify = verify_pb2_grpc.VerifyServiceStub(self._verify_channel)
-        self._health = [health_pb2_grpc.HealthStub(self._verify_channel)]
-        self._draft_channel = open_channel(draft_address, security, aio=True) if draft_address else None
-        self.draft = draft_pb2_grpc.DraftServiceStub(self._draft_channel) if draft_address else None
-        if self._draft_channel is not None:
-            self._health.append(health_pb2_grpc.HealthStub(self._draft_channel))
 
-    async def ready(self) -> bool:
-        for stub in self._health:
-            try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-            except grpc.RpcError:
-                return False
-            if reply.status != health_pb2.HealthCheckResponse.SERVING:
-                return False
-        return True
+        def opener(address: str, server_name: str | None):
+            credentials, options = security
+            if credentials is not None and server_name and not any(k == TARGET_NAME_OVERRIDE for k, _ in options):
+                options = [*options, (TARGET_NAME_OVERRIDE, server_name)]  # a replica dialled by its IP
+            return open_channel(address, (credentials, options), aio=True)
+
+        self.verifiers = ReplicaSet(verify_address, opener, verify_pb2_grpc.VerifyServiceStub)
+        self.drafters = ReplicaSet(draft_address, opener, draft_pb2_grpc.DraftServiceStub) if draft_address else None
+        # False until the draft service has answered and its model matches the target's: until
+        # then (an outage at start-up) its methods' rounds run target-only.
+        self.draft_usable = False
+
+    @property
+    def draft_configured(self) -> bool:
+        return self.drafters is not None
+
+    async def start(self) -> None:
+        await self.verifiers.start()
+        if self.drafters is not None:
+            await self.drafters.start()
+
+    async def health(self) -> dict:
+        """What /health says: each part and whether it serves. Ready (status ok) needs one
+        verifier replica serving; a draft service that is down costs drafts, not service."""
+        verifiers = await self.verifiers.health()
+        parts = {"verify": {address: _state(up) for address, up in verifiers.items()}}
+        if self.drafters is not None:
+            drafters = await self.drafters.health()
+            usable = self.draft_usable
+            parts["draft"] = {address: _state(up and usable) for address, up in drafters.items()}
+        return {"status": "ok" if any(verifiers.values()) else "unavailable", **parts}
 
     async def close(self) -> None:
-        if self._draft_channel is not None:
-            await self._draft_channel.close()
-        await self._verify_channel.close()
+        if self.drafters is not None:
+            await self.drafters.close()
+        await self.verifiers.close()
+
+
+TARGET_NAME_OVERRIDE = "grpc.ssl_target_name_override"
+
+
+def _state(up: bool) -> str:
+    return "serving" if up else "unavailable"
 
 
 class DraftStream:
@@ -151,6 +185,7 @@ class DraftStream:
     ):
         self._backends = backends
         self._session_id = session_id
+        self._route = Route(backends.drafters, session_id)
         self._method = method
         self._min_draft_probability = min_draft_probability
         self._call = None
@@ -161,8 +196,9 @@ class DraftStream:
 
     @property
     def available(self) -> bool:
-        """False while backing off after a failure: those rounds run target-only."""
-        return time.monotonic() >= self._paused_until
+        """False while backing off after a failure, or while the draft service has not yet
+        answered: those rounds run target-only."""
+        return self._backends.draft_usable and time.monotonic() >= self._paused_until
 
     async def propose(
         self,
@@ -177,7 +213,7 @@ class DraftStream:
         not yet verified: the service is rewound past them unless confirm() says they held).
         Raises grpc.RpcError, RuntimeError (the stream ended) or TimeoutError on failure."""
         if self._call is None:
-            self._call = self._backends.draft.Draft(timeout=None)
+            self._call = self._route.current().stub.Draft(timeout=None)
             self._sent = 0
         request = draft_pb2.DraftRequest(
             session_id=self._session_id,
@@ -213,6 +249,8 @@ class DraftStream:
         if self._call is not None:
             self._call.cancel()
         self._call = None
+        if len(self._backends.drafters) > 1 and self._route.failed():
+            return  # another replica drafts next round, with the whole sequence
         pause = self._backends.deadlines.draft_backoff_s * 2 ** min(self._failures, 5)
         self._failures += 1
         self._paused_until = time.monotonic() + pause

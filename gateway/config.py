@@ -3,6 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.backends import Deadlines
+from gateway.replicas import split_addresses
 from specserve.config import TracingOptions, check, field
 from specserve.paths import DEMO_TARGET
 from specserve.tls import channel_credentials, channel_options
@@ -15,9 +16,15 @@ class GatewayConfig(TracingOptions):
     host: str = field("127.0.0.1", "address to listen on (0.0.0.0 for all interfaces)")
     port: int = field(8000, "HTTP port")
     draft_address: str = field(
-        "", "host:port of a draft service (empty, the default: none; the verifier's own drafts only)"
+        "",
+        "a draft service: host:port, a comma-separated list of its replicas, or dns:///name:port (one address per "
+        "replica); empty, the default: none, the verifier's own drafts only",
     )
-    verify_address: str = field("127.0.0.1:50052", "host:port of the verify service")
+    verify_address: str = field(
+        "127.0.0.1:50052",
+        "the verify service: host:port, a comma-separated list of its replicas, or dns:///name:port (one address per "
+        "replica); each session stays on one replica",
+    )
     tokenizer: str = field(str(DEMO_TARGET), "directory holding the target's tokenizer files")
     served_model_name: str = field("", "model name clients send; default: the verify service's")
     num_speculative_tokens: int = field(4, "K used when a request does not set speculation.num_speculative_tokens")
@@ -45,7 +52,12 @@ class GatewayConfig(TracingOptions):
         "load. Speculation pays while the target's pass is bound by memory traffic; on a CPU under load it is "
         "bound by the cores (docs/benchmarks.md)",
     )
-    startup_timeout_s: float = field(300.0, "how long to wait at start for both services to answer")
+    startup_timeout_s: float = field(300.0, "how long to wait at start for the verify service to answer")
+    draft_startup_wait_s: float = field(
+        15.0,
+        "how long to wait at start for a draft service to answer; beyond it the gateway serves its methods as "
+        "target-only rounds and starts drafting once it answers",
+    )
     rpc_timeout_s: float = field(60.0, "deadline of each call to the verify service")
     draft_timeout_s: float = field(5.0, "deadline of each draft proposal; a late one makes a target-only round")
     verify_retry_s: float = field(60.0, "how long an unreachable (restarting) verifier is waited for")
@@ -84,6 +96,14 @@ class GatewayConfig(TracingOptions):
         check(self.adaptive_k_max >= 1, "adaptive_k_max must be >= 1")
         check(0 <= self.min_draft_probability <= 1, "min_draft_probability must lie in [0, 1]")
         check(self.startup_timeout_s > 0, "startup_timeout_s must be > 0")
+        check(self.draft_startup_wait_s >= 0, "draft_startup_wait_s must be >= 0")
+        for name in ("verify_address", "draft_address"):
+            address = getattr(self, name)
+            if address or name == "verify_address":
+                try:
+                    split_addresses(address)
+                except ValueError as error:
+                    raise ValueError(f"{name}: {error}") from None
         check(self.rpc_timeout_s > 0, "rpc_timeout_s must be > 0")
         check(
             self.draft_timeout_s > 0 and self.verify_retry_s >= 0 and self.draft_backoff_s >= 0, "timeouts must be > 0"

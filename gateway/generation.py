@@ -28,6 +28,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from gateway.backends import Backends, DraftStream
+from gateway.replicas import NoReplica, Route
 from specserve.logs import RateLimitedLog
 from specserve.metrics import GatewayMetrics
 from specserve.sampling import SamplingParams
@@ -168,7 +169,7 @@ async def generate(
     session = _Session(backends, plan, uuid.uuid4().hex)
     try:
         with span("prefill", context=parent):
-            first = await _prefill(backends, session.id, session.sequence, session.sampling)
+            first = await _prefill(session)
         session.sequence.append(first)
         yield [first]
         generated = 1
@@ -221,6 +222,7 @@ class _Session:
         self.id = session_id
         self.sampling = plan.sampling.to_proto()
         self.sequence = list(plan.prompt_token_ids)
+        self.route = Route(backends.verifiers, session_id)  # the verifier replica that holds it
         remote = plan.method != "none" and not plan.local
         self.drafter = DraftStream(backends, session_id, plan.method, plan.min_draft_probability) if remote else None
         self.chooser = KChooser(plan.speculation, backends.shared) if remote else None
@@ -272,7 +274,7 @@ class _Session:
                 speculation=speculation.to_proto() if speculation is not None else None,
             )  # fmt: skip
             try:
-                async with aclosing(_decode(self.backends, request, parent)) as rounds:
+                async with aclosing(_decode(self, request, parent)) as rounds:
                     async for round_ in rounds:
                         self.sequence.extend(round_.new_tokens)
                         remaining -= len(round_.new_tokens)
@@ -285,9 +287,11 @@ class _Session:
                 if code not in (grpc.StatusCode.FAILED_PRECONDITION, *_RETRIED):
                     raise
                 log.warning("decode stream broken (%s); prefilling again", _describe(error))
+                if code in _RETRIED and len(self.backends.verifiers) > 1:
+                    self.route.failed()  # another replica prefills it, where one is up
             started = time.perf_counter()
             with span("prefill", context=parent):
-                token = await _prefill(self.backends, self.id, self.sequence, self.sampling)
+                token = await _prefill(self)
             self.sequence.append(token)
             remaining -= 1
             yield Round(new_tokens=[token], k=0, num_accepted=0, batch_size=1, draft_seconds=0.0,
@@ -297,15 +301,13 @@ class _Session:
     async def round(self, k: int, remaining: int) -> Round:
         drafts, distributions, guess, draft_s, draft_server_s, draft_bytes = await self._drafts(k)
         started = time.perf_counter()
-        verify = asyncio.ensure_future(
-            _verify(self.backends, self.id, self.sequence, drafts, distributions, self.sampling)
-        )
+        verify = asyncio.ensure_future(_verify(self, drafts, distributions))
         ahead = self._draft_ahead(drafts, guess, remaining)
         request, response = await verify
         verify_s = time.perf_counter() - started
         await self._settle(ahead, drafts, guess, response)
         if response is None:  # the verifier lost the session: prefilled again, one token
-            new = [await _prefill(self.backends, self.id, self.sequence, self.sampling)]
+            new = [await _prefill(self)]
             return Round(new_tokens=new, k=0, num_accepted=0, batch_size=1, draft_seconds=draft_s,
                          draft_server_seconds=draft_server_s, verify_seconds=time.perf_counter() - started,
                          verify_server_seconds=0.0)  # fmt: skip
@@ -358,7 +360,7 @@ class _Session:
     async def close(self) -> None:
         if self.drafter is not None:
             await self.drafter.close()
-        await _release(self.backends, self.id)
+        await _release(self)
 
 
 def _round_attributes(round_: Round) -> dict:
@@ -399,32 +401,45 @@ def _account(round_: Round, stats: SpeculationStats, metrics: GatewayMetrics | N
         )
 
 
-async def _prefill(backends: Backends, session_id: str, sequence: list[int], sampling) -> int:
-    request = verify_pb2.PrefillRequest(session_id=session_id, token_ids=sequence, sampling=sampling)
-    response = await _call_verifier(backends, "Prefill", request)
+async def _prefill(session: _Session) -> int:
+    """The session's sequence prefilled on its verifier replica; the next token."""
+    request = verify_pb2.PrefillRequest(session_id=session.id, token_ids=session.sequence, sampling=session.sampling)
+    response = await _call_verifier(session, "Prefill", request)
     return response.next_token_id
 
 
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # the verifier may be restarting
 
 
-async def _call_verifier(backends: Backends, method: str, request):
-    """A verifier call, retried while the verifier is unreachable (restarting), up to
+async def _call_verifier(session: _Session, method: str, request):
+    """A call to the session's verifier replica. One that is unreachable moves the session
+    to another replica that is up (where its Verify is refused as out of step, which
+    prefills it again); with none, the call is retried while the verifier restarts, up to
     verify_retry_s. Safe for both calls: Prefill replaces its session, and a Verify whose
     first attempt did land is refused as out of step, which prefills again."""
+    backends = session.backends
     deadline = time.monotonic() + backends.deadlines.verify_retry_s
     pause = 0.1
     while True:
         try:
-            return await _traced_call(backends, method, request, timeout=backends.rpc_timeout_s, wait_for_ready=True)
+            replica = session.route.current()
+            return await _traced_call(replica.stub, method, request, timeout=backends.rpc_timeout_s,
+                                      wait_for_ready=len(backends.verifiers) == 1)  # fmt: skip
         except grpc.aio.AioRpcError as error:
             if error.code() not in _RETRIED:
                 raise
+            if len(backends.verifiers) > 1 and session.route.failed():
+                continue
+            failure = _describe(error)
             if time.monotonic() + pause > deadline:
                 raise
-            log.warning("verifier unavailable (%s); retrying", _describe(error))
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 2.0)
+        except NoReplica as error:
+            failure = str(error)
+            if time.monotonic() + pause > deadline:
+                raise
+        log.warning("verifier unavailable (%s); retrying", failure)
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 2.0)
 
 
 async def _draft(drafter: DraftStream, sequence: list[int], k: int, sampling, want_bonus_guess: bool = False,
@@ -449,18 +464,18 @@ async def _draft(drafter: DraftStream, sequence: list[int], k: int, sampling, wa
 
 
 async def _verify(
-    backends: Backends, session_id: str, sequence: list[int], drafts: list[int], distributions: list, sampling
+    session: _Session, drafts: list[int], distributions: list
 ) -> tuple[verify_pb2.VerifyRequest, verify_pb2.VerifyResponse | None]:
     """The request and the verifier's answer, None when it no longer holds the session as we do."""
     request = verify_pb2.VerifyRequest(
-        session_id=session_id,
-        num_verified=len(sequence),
+        session_id=session.id,
+        num_verified=len(session.sequence),
         draft_token_ids=drafts,
         draft_distributions=distributions,
-        sampling=sampling,
+        sampling=session.sampling,
     )
     try:
-        return request, await _call_verifier(backends, "Verify", request)
+        return request, await _call_verifier(session, "Verify", request)
     except grpc.aio.AioRpcError as error:
         if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
             raise
@@ -468,7 +483,7 @@ async def _verify(
         return request, None
 
 
-async def _decode(backends: Backends, request: verify_pb2.DecodeRequest, parent: Context | None):
+async def _decode(session: _Session, request: verify_pb2.DecodeRequest, parent: Context | None):
     """The Decode stream's tokens as rounds, under one client span when tracing is on (not
     made current: the consumer runs between tokens). A round's verify time is the gap since
     the previous token arrived (the call's start, for the first), matching the service's
@@ -480,7 +495,10 @@ async def _decode(backends: Backends, request: verify_pb2.DecodeRequest, parent:
     call, status = None, grpc.StatusCode.OK
     try:
         last = time.perf_counter()
-        call = backends.verify.Decode(request, metadata=metadata_with_trace_context(call_span), wait_for_ready=True)
+        backends = session.backends
+        stub = session.route.current().stub
+        call = stub.Decode(request, metadata=metadata_with_trace_context(call_span),
+                           wait_for_ready=len(backends.verifiers) == 1)  # fmt: skip
         wire_bytes = request.ByteSize()  # counted with the first round
         while (response := await asyncio.wait_for(call.read(), backends.rpc_timeout_s)) is not grpc.aio.EOF:
             now = time.perf_counter()
@@ -522,10 +540,10 @@ def _decoded_round(response: verify_pb2.DecodeResponse, seconds: float, wire_byt
     )
 
 
-async def _traced_call(backends: Backends, method: str, request, **options):
+async def _traced_call(stub, method: str, request, **options):
     """A unary verifier call with a client span (when tracing is on) whose trace context
     travels in the call's metadata."""
-    call = getattr(backends.verify, method)
+    call = getattr(stub, method)
     if not tracing_enabled():
         return await call(request, **options)
     with rpc_span(SpanKind.CLIENT, f"/{VERIFY_SERVICE}/{method}") as span:
@@ -538,11 +556,15 @@ async def _traced_call(backends: Backends, method: str, request, **options):
         return response
 
 
-async def _release(backends: Backends, session_id: str) -> None:
+async def _release(session: _Session) -> None:
+    """Frees the session on its replica (none was picked: nothing to free)."""
+    if session.route.replica is None:
+        return
+    request = verify_pb2.ReleaseRequest(session_id=session.id)
     try:
-        await _traced_call(backends, "Release", verify_pb2.ReleaseRequest(session_id=session_id), timeout=5)
+        await _traced_call(session.route.replica.stub, "Release", request, timeout=5)
     except grpc.RpcError as error:
-        log.warning("release of session %s failed: %s", session_id, _describe(error))
+        log.warning("release of session %s failed: %s", session.id, _describe(error))
 
 
 def _describe(error: BaseException) -> str:

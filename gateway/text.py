@@ -17,6 +17,9 @@ class TextDelta:
 
 @dataclass
 class TextAssembler:
+    """One completion's text, decoded incrementally: each round decodes only a window of the
+    last tokens (a round's before and after its new ones), not the whole completion."""
+
     tokenizer: object
     eos_token_ids: frozenset[int]
     stop: tuple[str, ...]
@@ -24,11 +27,15 @@ class TextAssembler:
     token_ids: list[int] = field(default_factory=list)
     emitted_text: str = ""
     finish_reason: str | None = None
+    text: str = ""  # all decoded so far (what is shown, and what is held back)
+    _prefix: int = 0  # the window: tokens [_prefix, _read) are decoded into text already, as
+    _read: int = 0  # context for the ones after them (a token's text may depend on the one before)
 
     def add(self, new_tokens: list[int]) -> TextDelta:
         """Consumes one round's tokens; returns what may be shown now."""
         taken = self._take(new_tokens)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        self.text += self._decode_new()
+        text = self.text
         stop_at = self._find_stop(text)
         if stop_at is not None:
             text, self.finish_reason = text[:stop_at], "stop"
@@ -37,6 +44,17 @@ class TextAssembler:
         delta = text[len(self.emitted_text) :] if text.startswith(self.emitted_text) else ""
         self.emitted_text += delta
         return TextDelta(delta, taken, self.finish_reason)
+
+    def _decode_new(self) -> str:
+        """The text of the tokens after the window, decoded with the window's tokens before
+        them; nothing while it ends in half a character (unless the completion is over)."""
+        decode = self.tokenizer.decode
+        known = decode(self.token_ids[self._prefix : self._read], skip_special_tokens=True)
+        whole = decode(self.token_ids[self._prefix :], skip_special_tokens=True)
+        if whole.endswith(REPLACEMENT_CHAR) and not self.finished or len(whole) < len(known):
+            return ""
+        self._prefix, self._read = self._read, len(self.token_ids)
+        return whole[len(known) :]
 
     @property
     def finished(self) -> bool:

@@ -75,6 +75,75 @@ def fuzz_http(url: str, count: int, tally: Tally, headers: dict | None = None) -
     check()
 
 
+# Values that have broken servers: non-finite, huge, tiny and denormal numbers (raw JSON,
+# some of which parse to infinities), integers past 32 and 64 bits, and wrong types.
+HOSTILE_VALUES = ["1e999", "-1e999", "NaN", "Infinity", "1e-320", "5e-324", "-0.0", "2147483648", "9223372036854775808",
+                  "18446744073709551616", "1099511627776", "1e308", "-1", "0", "0.5", '"7"', "[]", "{}", "true", "null"]  # fmt: skip
+HOSTILE_FIELDS = ["temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "seed", "n", "logprobs",
+                  "best_of", "presence_penalty", "min_p", "stop", "speculation.num_speculative_tokens",
+                  "speculation.min_draft_probability"]  # fmt: skip
+
+
+def hostile_requests(api_key: str = "") -> list[tuple[str, str, dict, bytes]]:
+    """(label, path, headers, body) of hand-made hostile requests: every HOSTILE_VALUE in
+    every HOSTILE_FIELD of both endpoints, odd headers (non-ASCII keys), odd chat roles and
+    contents, and many or long stop strings."""
+    auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    json_headers = {"content-type": "application/json", **auth}
+    bases = {
+        "/v1/completions": '"prompt": "def f(x):"',
+        "/v1/chat/completions": '"messages": [{"role": "user", "content": "hi"}]',
+    }
+    out = []
+    for path, base in bases.items():
+        for name in HOSTILE_FIELDS:
+            for value in HOSTILE_VALUES:
+                if name.startswith("speculation."):
+                    field_json = f'"speculation": {{"{name.split(".")[1]}": {value}}}'
+                else:
+                    field_json = f'"{name}": {value}'
+                rest = ', "max_tokens": 2' if name not in ("max_tokens", "max_completion_tokens") else ""
+                body = f"{{{base}, {field_json}{rest}}}".encode()
+                out.append((f"{path} {name}={value}", path, json_headers, body))
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    for key in (b"Bearer \xff\xfe", b"Bearer \xc3\xa9t\xc3\xa9", b"\x80", b"Bearer " + b"k" * 8000):
+        out.append(
+            (
+                f"authorization {key[:20]!r}",
+                "/v1/completions",
+                {"content-type": "application/json", "authorization": key},
+                body,
+            )
+        )
+    roles = ["narrator", "", "system" * 100, "\u0000", "tool"]
+    for role in roles:
+        messages = json.dumps({"messages": [{"role": role, "content": "hi"}], "max_tokens": 2})
+        out.append((f"chat role {role[:12]!r}", "/v1/chat/completions", json_headers, messages.encode()))
+    for content in ([{"type": "image_url", "image_url": {"url": "x"}}], [{"type": "text"}], 5, [[]]):
+        messages = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 2})
+        out.append((f"chat content {str(content)[:20]}", "/v1/chat/completions", json_headers, messages.encode()))
+    for stop in (["x"] * 5000, ["ab" * 5000], [""], [5], "s" * 100_000):
+        body = json.dumps({"prompt": "hi", "max_tokens": 2, "stop": stop}).encode()
+        out.append((f"stop {str(stop)[:20]}", "/v1/completions", json_headers, body))
+    return out
+
+
+def fuzz_hostile(url: str, tally: Tally, api_key: str = "") -> None:
+    """hostile_requests() against a gateway: each answer must be below 500, and a connection
+    dropped without an answer is a failure too."""
+    with httpx.Client(timeout=120) as client:
+        for label, path, headers, body in hostile_requests(api_key):
+            try:
+                reply = client.post(f"{url}{path}", content=body, headers=headers)
+            except httpx.HTTPError as error:
+                tally.failures.append(f"{label}: {type(error).__name__}: {error}")
+                tally.inputs += 1
+                continue
+            tally.inputs += 1
+            if reply.status_code >= 500:
+                tally.failures.append(f"{label} -> {reply.status_code} {reply.text[:200]}")
+
+
 def fuzz_grpc(verify_address: str, draft_address: str, count: int, tally: Tally) -> None:
     """The verifier's calls (speculative decodes included), and a draft service's streams
     unless draft_address is empty."""

@@ -121,6 +121,11 @@ class ServiceMetrics:
         )
         self.active_sessions = Gauge(f"specserve:{component}_active_sessions", "Sessions held now.", registry=r)
         self.kv_slots_in_use = Gauge(f"specserve:{component}_kv_slots_in_use", "KV-cache slots in use.", registry=r)
+        self.prefills = Counter(  # counted by the verifier
+            f"specserve:{component}_prefills",
+            "Sessions prefilled (a new request, or one prefilled again: moved from another replica, or out of step).",
+            registry=r,
+        )
 
     def serve(self, host: str, port: int) -> None:
         if port:

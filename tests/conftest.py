@@ -38,6 +38,7 @@ class Stack:
     target_dir: Path
     draft_dir: Path
     process: subprocess.Popen
+    metrics_ports: tuple[int, int] = (0, 0)  # (the draft service's, the verifier's) Prometheus ports
 
 
 def wait_until_healthy(url: str, process: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -83,6 +84,7 @@ def start_stack(
     """The stack on free ports, with a draft service of its own where asked; log_path, where
     given, takes what its processes log. metrics_ports: (draft service's, verifier's)."""
     port, draft_port, verify_port = free_port(), free_port(), free_port()
+    metrics_ports = metrics_ports or (free_port(), free_port())
     command = up_command(target_dir, draft_dir, port, draft_port, verify_port, metrics_ports, draft_service)
     # One torch thread per service: three processes share two cores, and tiny models gain
     # nothing from intra-op threads but lose to their spinning.
@@ -107,7 +109,7 @@ def start_stack(
         stop_process(process)
         raise
     draft_address = f"127.0.0.1:{draft_port}" if draft_service else ""
-    return Stack(url, draft_address, f"127.0.0.1:{verify_port}", target_dir, draft_dir, process)
+    return Stack(url, draft_address, f"127.0.0.1:{verify_port}", target_dir, draft_dir, process, metrics_ports)
 
 
 def metric(port: int, name: str) -> float:

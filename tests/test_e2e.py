@@ -277,7 +277,8 @@ def test_bad_chat_and_malformed_json_then_still_serving(stack):
 def test_models_and_health(stack):
     models = httpx.get(f"{stack.url}/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "target"
-    assert httpx.get(f"{stack.url}/health").json() == {"status": "ok"}
+    health = httpx.get(f"{stack.url}/health").json()  # ready, and each part's state
+    assert health == {"status": "ok", "verify": {stack.verify_address: "serving"}}
 
 
 @pytest.mark.parametrize("draft_service", [False, True], ids=["verifier", "gateway"])

@@ -10,6 +10,7 @@ import grpc
 
 from gateway.backends import Deadlines
 from gateway.generation import GenerationPlan, SpeculationStats, generate
+from gateway.replicas import ReplicaSet
 from specserve.sampling import SamplingParams
 from specserve.v1 import verify_pb2
 
@@ -60,9 +61,19 @@ class _Verifier:
         return verify_pb2.ReleaseResponse()
 
 
+class _Channel:
+    """Enough of a channel for a replica's health stub (never called here)."""
+
+    def unary_unary(self, *args, **kwargs):
+        return None
+
+    unary_stream = unary_unary
+
+
 def _target_only(verifier: _Verifier, prompt: list[int], max_tokens: int) -> list[int]:
+    replicas = ReplicaSet("verifier:1", lambda address, server_name: _Channel(), lambda channel: verifier)
     backends = SimpleNamespace(
-        verify=verifier, rpc_timeout_s=0.2, deadlines=Deadlines(verify_retry_s=5), detached=set()
+        verifiers=replicas, rpc_timeout_s=0.2, deadlines=Deadlines(verify_retry_s=5), detached=set()
     )
     plan_ = GenerationPlan(prompt, max_tokens, SamplingParams(temperature=0), "none", 4)
 

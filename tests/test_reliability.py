@@ -75,9 +75,10 @@ def test_services_run_pinned_to_their_cpus_every_thread(guarded):
         assert {os.sched_getaffinity(int(task.name)) == {cpu} for task in tasks} == {True}, module
 
 
-def test_api_key_is_required_everywhere_but_health(guarded):
+def test_api_key_is_required_everywhere_but_health_and_metrics(guarded):
     stack, _ = guarded
     assert httpx.get(f"{stack.url}/health").status_code == 200
+    assert httpx.get(f"{stack.url}/metrics").status_code == 200
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         reply = httpx.post(f"{stack.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=headers)
         assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"

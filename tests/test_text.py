@@ -53,3 +53,25 @@ def test_split_utf8_character_waits_for_its_second_byte():
     a = assembler()
     assert a.add(encoded[:1]).text == ""
     assert a.add(encoded[1:]).text == "é"
+
+
+def test_incremental_text_is_the_whole_decode_and_decodes_only_a_window():
+    """4,000 tokens in rounds of 1 to 5, split characters included: the text shown is the
+    whole completion's decode, and no round decodes more than its own tokens and the last
+    round's (the whole completion re-decoded each round had cost seconds)."""
+    text = "déf f(x):\n    return x ✓ — ünïcode 🙂\n" * 110
+    tokens = ids(text)[:4000]
+    lengths = []
+
+    class Counting:
+        def decode(self, token_ids, **options):
+            lengths.append(len(token_ids))
+            return TOKENIZER.decode(token_ids, **options)
+
+    a = TextAssembler(Counting(), frozenset({256}), (), 10_000)
+    shown, i, size = "", 0, 1
+    while i < len(tokens):
+        shown += a.add(tokens[i : i + size]).text
+        i, size = i + size, size % 5 + 1
+    assert shown == TOKENIZER.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
+    assert max(lengths) <= 4 * 5  # a few rounds' tokens (a split character widens it), never thousands

@@ -60,6 +60,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         started = time.perf_counter()
         job = PrefillJob(request.session_id, tuple(request.token_ids), SamplingParams.from_proto(request.sampling))
         outcome = self._run(job)
+        self._metrics.prefills.inc()
         return verify_pb2.PrefillResponse(
             next_token_id=outcome.next_token_id,
             num_verified=outcome.num_verified,
