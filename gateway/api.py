@@ -69,12 +69,12 @@ UNSUPPORTED = {
     "guided_grammar": (), "guided_decoding_backend": (), "structured_outputs": (), "logits_processors": ([],),
     "allowed_token_ids": ([],), "bad_words": ([],), "truncate_prompt_tokens": (), "prediction": (),
     "audio": (), "modalities": (["text"],), "continue_final_message": (False,), "add_generation_prompt": (True,),
-    "chat_template": (), "chat_template_kwargs": ({},), "documents": (), "reasoning_effort": (),
+    "chat_template": (), "documents": (), "reasoning_effort": (),
 }  # fmt: skip
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 64, 1024
 # Sampling parameters are carried as 32-bit floats: these bounds keep them normal numbers
 # whose effect is what was asked (a temperature of 1e-40 would divide the logits by zero).
-TEMPERATURE_RANGE = (1e-3, 100.0)
+TEMPERATURE_RANGE = (1e-6, 1e4)
 MIN_TOP_P = 1e-6
 
 
@@ -140,6 +140,22 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = None
+    chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
+
+    def template_variables(self) -> dict:
+        """chat_template_kwargs: variables for the model's chat template (e.g. Qwen3's
+        enable_thinking); none may stand for one of the call's own arguments."""
+        variables = self.chat_template_kwargs or {}
+        taken = sorted(set(variables) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
+        return variables
+
+
+# apply_chat_template's own arguments, which chat_template_kwargs may not override.
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                                "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                                "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})  # fmt: skip
 
 
 def check_model(requested: str | None, served: ServedModel) -> None:

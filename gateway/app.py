@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -61,6 +63,7 @@ class Gateway:
     tokenizer_threads: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
     )
+    _thread_tokenizers: threading.local = field(default_factory=threading.local)
 
     def crowded(self) -> bool:
         """Whether more requests run than speculation pays for (max_speculating_requests)."""
@@ -70,31 +73,40 @@ class Gateway:
     def plan(self, request, prompt_token_ids: list[int]) -> GenerationPlan:
         return plan_for(request, prompt_token_ids, self.served, self.config)
 
-    def completion_prompt(self, request: CompletionRequest) -> list[int]:
+    def completion_prompt(self, request: CompletionRequest, tokenizer) -> list[int]:
         prompt = request.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
                 raise bad_request("only one prompt per request is supported", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
+            return list(tokenizer(prompt)["input_ids"])
         return list(prompt)
 
-    def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, request: ChatCompletionRequest, tokenizer) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        template = None if getattr(self.tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
+        template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, chat_template=template
-            )
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, chat_template=template,
+                **request.template_variables(),
+            )  # fmt: skip
         except (TemplateError, ValueError, TypeError, KeyError, IndexError) as error:
             raise bad_request(f"the model's chat template refused these messages: {error}", "messages") from None
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    async def off_loop(self, work, *args):
-        """work(*args) in the tokenizer threads: a long prompt's tokenization must not hold
-        up the event loop (other requests' rounds, health probes)."""
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_threads, work, *args)
+    async def off_loop(self, work, request):
+        """work(request, tokenizer) in the tokenizer threads, each with a tokenizer of its own
+        (a fast tokenizer set to truncate or pad is not to be shared): a long prompt's
+        tokenization must not hold up the event loop (other requests' rounds, health probes)."""
+
+        def run():
+            tokenizer = getattr(self._thread_tokenizers, "tokenizer", None)
+            if tokenizer is None:
+                tokenizer = self._thread_tokenizers.tokenizer = copy.deepcopy(self.tokenizer)
+            return work(request, tokenizer)
+
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_threads, run)
 
 
 def create_app(
@@ -261,23 +273,24 @@ def _replay(body: bytes, receive):
 
 
 async def _watch_draft_service(gateway: Gateway, target: ModelInfo) -> None:
-    """Asks the draft service's replicas for their model until one answers; a model with the
-    target's vocabulary starts drafting, another is refused (its methods stay target-only)."""
-    backends, said = gateway.backends, False
+    """Asks the draft service's replicas for their model until one answers with the target's
+    vocabulary, which starts drafting; until then its methods' rounds run target-only."""
+    backends, said = gateway.backends, set()
     while True:
         for replica in list(backends.drafters.replicas.values()):
             try:
                 info = await replica.stub.GetModelInfo(ModelInfoRequest(), timeout=2)
-            except grpc.RpcError as error:
-                if not said:
-                    log.info("waiting for the draft service (%s)", error.code().name)
-                    said = True
-                continue
-            try:
                 check_pair(target, info, target.tokenizer_fingerprint)
-            except IncompatibleModels as error:
-                log.error("%s; its methods stay target-only", error)
-                return
+            except IncompatibleModels as error:  # asked again: a redeployed draft may match
+                if str(error) not in said:
+                    log.error("%s; its methods stay target-only", error)
+                    said.add(str(error))
+                continue
+            except Exception as error:  # noqa: BLE001 - unreachable, or its channel closed: asked again
+                if not said:
+                    log.info("waiting for the draft service (%s)", type(error).__name__)
+                    said.add("waiting")
+                continue
             gateway.served = served_model(target, info, gateway.config.served_model_name, draft_service=True)
             backends.draft_usable = True
             log.info("the draft service answers (%s): drafting", info.model_name)

@@ -156,11 +156,11 @@ class Backends:
     async def health(self) -> dict:
         """What /health says: each part and whether it serves. Ready (status ok) needs one
         verifier replica serving; a draft service that is down costs drafts, not service."""
-        verifiers = await self.verifiers.health()
+        sets = [self.verifiers] + ([self.drafters] if self.drafters is not None else [])
+        verifiers, *drafters = await asyncio.gather(*(replicas.health() for replicas in sets))
         parts = {"verify": {address: _state(up) for address, up in verifiers.items()}}
-        if self.drafters is not None:
-            drafters = await self.drafters.health()
-            usable = self.draft_usable
+        if drafters:
+            drafters, usable = drafters[0], self.draft_usable
             parts["draft"] = {address: _state(up and usable) for address, up in drafters.items()}
         return {"status": "ok" if any(verifiers.values()) else "unavailable", **parts}
 
@@ -249,8 +249,8 @@ class DraftStream:
         if self._call is not None:
             self._call.cancel()
         self._call = None
-        if len(self._backends.drafters) > 1 and self._route.failed():
-            return  # another replica drafts next round, with the whole sequence
+        if len(self._backends.drafters) > 1 and self._route.failed() is not None:
+            return  # another replica drafts next round, with the whole sequence (the old one's stream ended)
         pause = self._backends.deadlines.draft_backoff_s * 2 ** min(self._failures, 5)
         self._failures += 1
         self._paused_until = time.monotonic() + pause

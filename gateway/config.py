@@ -71,7 +71,8 @@ class GatewayConfig(TracingOptions):
     http_tls_key: str = field("", "PEM private key of http_tls_cert")
     max_body_bytes: int = field(4 * 1024 * 1024, "largest HTTP request body accepted (413 beyond)")
     api_keys: str = field(
-        "", "comma-separated API keys; when set every route but /health needs 'Authorization: Bearer KEY'"
+        "",
+        "comma-separated API keys; when set every route but /health and /metrics needs 'Authorization: Bearer KEY'",
     )
 
     @property

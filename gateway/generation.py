@@ -282,13 +282,15 @@ class _Session:
                             self.observe(round_)
                         yield round_
                 return  # the stream ended: all made, an end-of-sequence token, or the context is full
-            except (grpc.aio.AioRpcError, TimeoutError) as error:
-                code = error.code() if isinstance(error, grpc.aio.AioRpcError) else grpc.StatusCode.DEADLINE_EXCEEDED
+            except (grpc.aio.AioRpcError, TimeoutError, NoReplica) as error:
+                code = _code(error)
+                if _left(self) and code == grpc.StatusCode.CANCELLED:
+                    code = grpc.StatusCode.UNAVAILABLE  # its replica left the name: the call ended with it
                 if code not in (grpc.StatusCode.FAILED_PRECONDITION, *_RETRIED):
                     raise
                 log.warning("decode stream broken (%s); prefilling again", _describe(error))
-                if code in _RETRIED and len(self.backends.verifiers) > 1:
-                    self.route.failed()  # another replica prefills it, where one is up
+                if code in _RETRIED:
+                    _move(self)  # another replica prefills it, where one is up
             started = time.perf_counter()
             with span("prefill", context=parent):
                 token = await _prefill(self)
@@ -425,21 +427,45 @@ async def _call_verifier(session: _Session, method: str, request):
             replica = session.route.current()
             return await _traced_call(replica.stub, method, request, timeout=backends.rpc_timeout_s,
                                       wait_for_ready=len(backends.verifiers) == 1)  # fmt: skip
-        except grpc.aio.AioRpcError as error:
-            if error.code() not in _RETRIED:
+        except (grpc.aio.AioRpcError, NoReplica) as error:
+            code = _code(error)
+            if _left(session) and code == grpc.StatusCode.CANCELLED:
+                code = grpc.StatusCode.UNAVAILABLE  # its replica left the name: the call ended with it
+            if code not in _RETRIED or time.monotonic() + pause > deadline:
                 raise
-            if len(backends.verifiers) > 1 and session.route.failed():
-                continue
-            failure = _describe(error)
-            if time.monotonic() + pause > deadline:
-                raise
-        except NoReplica as error:
-            failure = str(error)
-            if time.monotonic() + pause > deadline:
-                raise
-        log.warning("verifier unavailable (%s); retrying", failure)
+            if _move(session):
+                continue  # at once, on a replica that is up
+            log.warning("verifier unavailable (%s); retrying", _describe(error))
         await asyncio.sleep(pause)
         pause = min(pause * 2, 2.0)
+
+
+def _code(error: BaseException) -> grpc.StatusCode:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code()
+    return grpc.StatusCode.UNAVAILABLE if isinstance(error, NoReplica) else grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def _left(session: _Session) -> bool:
+    """Whether the session's replica has left its service's name (its channel closes)."""
+    return session.route.replica is not None and session.route.replica.gone
+
+
+def _move(session: _Session) -> bool:
+    """Moves a session off its unreachable replica to one that is up, where there is one;
+    the replica it left may still hold its cache, which a release of its own (detached)
+    frees. Whether it moved."""
+    backends = session.backends
+    if len(backends.verifiers) < 2:
+        return False
+    left = session.route.failed()
+    if left is None:
+        return False
+    if not left.gone:
+        task = asyncio.ensure_future(_release_on(left, session.id))
+        backends.detached.add(task)
+        task.add_done_callback(backends.detached.discard)
+    return True
 
 
 async def _draft(drafter: DraftStream, sequence: list[int], k: int, sampling, want_bonus_guess: bool = False,
@@ -452,7 +478,7 @@ async def _draft(drafter: DraftStream, sequence: list[int], k: int, sampling, wa
     with span("specserve.v1.DraftService/Draft propose", kind=SpanKind.CLIENT, attributes=attributes):
         try:
             response = await drafter.propose(sequence, k, sampling, inject({}), want_bonus_guess, guessed)
-        except (grpc.RpcError, RuntimeError, TimeoutError) as error:
+        except (grpc.RpcError, RuntimeError, TimeoutError, NoReplica) as error:
             _draft_failures.warning("draft failed (%s); this round runs target-only", _describe(error))
             drafter.reset()
             return [], [], -1, time.perf_counter() - started, 0.0, 0, None
@@ -557,14 +583,17 @@ async def _traced_call(stub, method: str, request, **options):
 
 
 async def _release(session: _Session) -> None:
-    """Frees the session on its replica (none was picked: nothing to free)."""
-    if session.route.replica is None:
-        return
-    request = verify_pb2.ReleaseRequest(session_id=session.id)
+    """Frees the session on its replica (none was picked, or it left: nothing to free)."""
+    if session.route.replica is not None and not session.route.replica.gone:
+        await _release_on(session.route.replica, session.id)
+
+
+async def _release_on(replica, session_id: str) -> None:
+    request = verify_pb2.ReleaseRequest(session_id=session_id)
     try:
-        await _traced_call(session.route.replica.stub, "Release", request, timeout=5)
-    except grpc.RpcError as error:
-        log.warning("release of session %s failed: %s", session.id, _describe(error))
+        await _traced_call(replica.stub, "Release", request, timeout=5)
+    except Exception as error:  # noqa: BLE001 - a release that fails leaves the session to the TTL, never fails a request
+        log.warning("release of session %s on %s failed: %s", session_id, replica.address, _describe(error))
 
 
 def _describe(error: BaseException) -> str:

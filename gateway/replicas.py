@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -26,6 +25,10 @@ log = logging.getLogger(__name__)
 DNS_SCHEME = "dns:///"
 # A replica whose call failed as unreachable is passed over by new picks for this long.
 DOWN_FOR_S = 5.0
+# A replica that left the name keeps its channel open this long for calls in flight (a
+# Kubernetes pod's termination grace period, docs/deploy.md).
+LEAVING_GRACE_S = 60.0
+HEALTH_TIMEOUT_S = 0.5  # each replica's health check (all at once): /health answers within a probe's 1 s
 
 
 def split_addresses(target: str) -> tuple[list[str], str | None]:
@@ -78,6 +81,7 @@ class ReplicaSet:
     replicas: dict[str, Replica] = field(default_factory=dict)
     _dns_name: str | None = None
     _refresh: asyncio.Task | None = None
+    _closing: set = field(default_factory=set)  # channels of departed replicas, closing
 
     def __post_init__(self) -> None:
         addresses, self._dns_name = split_addresses(self.target)
@@ -111,12 +115,19 @@ class ReplicaSet:
             if replica.gone:
                 log.info("replica %s of %s left", address, self._dns_name)
                 del self.replicas[address]
-                asyncio.ensure_future(replica.channel.close(grace=30))  # calls in flight end first
+                # Calls in flight get a pod's grace period to end (its sessions move on a
+                # failure); new ones go elsewhere.
+                closing = asyncio.ensure_future(replica.channel.close(grace=LEAVING_GRACE_S))
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
 
     async def _keep_resolving(self) -> None:
         while True:
             await asyncio.sleep(self.resolve_every_s)
-            await self.resolve()
+            try:
+                await self.resolve()
+            except Exception:  # noqa: BLE001 - resolving goes on; the replicas known stay
+                log.exception("resolving %s failed", self._dns_name)
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -139,8 +150,8 @@ class ReplicaSet:
 
         async def check(replica: Replica) -> bool:
             try:
-                reply = await replica.health.Check(health_pb2.HealthCheckRequest(), timeout=2)
-            except grpc.RpcError:
+                reply = await replica.health.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - unreachable, timed out, or its channel closed
                 return False
             return reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -174,20 +185,20 @@ class Route:
             raise NoReplica(f"no replica of {self.replicas.target} is known")
         return self.replica
 
-    def failed(self) -> bool:
+    def failed(self) -> Replica | None:
         """The session's replica was unreachable: marks it down and moves the session to
-        another replica that is up, where there is one (which prefills it again); whether it
-        moved."""
+        another replica that is up, where there is one (which prefills it again); the replica
+        it left (which may still hold its cache), None where it did not move."""
         old = self.replica
         if old is None:
-            return False
+            return None
         self.replicas.mark_down(old)
         new = self.replicas.pick(self.session_id, avoid=old)
         if new is None or not new.up:
-            return False
+            return None
         log.warning("replica %s unreachable; session %s moves to %s", old.address, self.session_id, new.address)
         self.replica = new
-        return True
+        return old
 
 
 def _score(session_id: str, address: str) -> int:

@@ -51,10 +51,15 @@ class TextAssembler:
         decode = self.tokenizer.decode
         known = decode(self.token_ids[self._prefix : self._read], skip_special_tokens=True)
         whole = decode(self.token_ids[self._prefix :], skip_special_tokens=True)
-        if whole.endswith(REPLACEMENT_CHAR) and not self.finished or len(whole) < len(known):
+        if whole.endswith(REPLACEMENT_CHAR) and not self.finished:
             return ""
         self._prefix, self._read = self._read, len(self.token_ids)
-        return whole[len(known) :]
+        if whole.startswith(known):
+            return whole[len(known) :]
+        # The new tokens changed the text before them (a tokenizer's clean-up of spaces):
+        # what the whole completion decodes to, past what is decoded already, this once.
+        everything = decode(self.token_ids, skip_special_tokens=True)
+        return everything[len(self.text) :] if everything.startswith(self.text) else ""
 
     @property
     def finished(self) -> bool:

@@ -1,6 +1,7 @@
-"""`specserve fuzz`: generated bad input against a running stack, over HTTP and gRPC. Every
-answer must be a 4xx (HTTP) or a request-error status (gRPC); a 5xx, an INTERNAL or UNKNOWN
-status, or a service that stops answering is a failure. Needs hypothesis (the test extras).
+"""`specserve fuzz`: hand-made hostile requests (hostile_requests), then generated bad input,
+against a running stack, over HTTP and gRPC. Every answer must be a 4xx (HTTP) or a
+request-error status (gRPC); a 5xx, a dropped connection, an INTERNAL or UNKNOWN status, or
+a service that stops answering is a failure. Needs hypothesis (the test extras).
 """
 
 from __future__ import annotations
@@ -226,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     tally = Tally()
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     try:
+        fuzz_hostile(args.url, tally, args.api_key)
+        if tally.failures:
+            raise AssertionError(f"{len(tally.failures)} hostile requests failed, first: {tally.failures[0]}")
         fuzz_http(args.url, args.count, tally, headers)
         fuzz_grpc(args.verify_address, args.draft_address, args.count, tally)
     except AssertionError as error:

@@ -87,6 +87,11 @@ def test_odd_headers_roles_and_bodies_get_their_4xx(keyed):
     assert "unknown role narrator" in reply.json()["error"]["message"]
     chat["messages"][0]["role"] = "user"
     assert httpx.post(f"{keyed.url}/v1/chat/completions", json=chat, headers=AUTH).status_code == 200
+    variables = {**chat, "chat_template_kwargs": {"enable_thinking": False}}  # a template's own variable
+    assert httpx.post(f"{keyed.url}/v1/chat/completions", json=variables, headers=AUTH).status_code == 200
+    variables["chat_template_kwargs"] = {"tokenize": True}  # one of the call's own arguments
+    reply = httpx.post(f"{keyed.url}/v1/chat/completions", json=variables, headers=AUTH)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "chat_template_kwargs"
 
     def chunks(total: int):  # a body sent chunked: no Content-Length to refuse it by
         yield b'{"prompt": "'
