@@ -241,3 +241,13 @@ def test_a_drafting_failure_costs_its_rounds_their_drafts_not_the_batch(tiny_pai
     _, rounds = _decode(verifier, "spec", prompt, 12, Speculation("draft_model", 4, adaptive=False))
     assert [o.next_token_id for o in rounds] == [o.next_token_id for o in plain]  # target-only rounds, all there
     assert all(o.num_draft_tokens == 0 for o in rounds)
+
+
+def test_a_prefill_beside_its_sessions_release_makes_no_session(tiny_pair):
+    """A client that left mid-prefill: the gateway's release may reach the batch its prefill
+    is in (releases run first), which must not leave a session held until the TTL."""
+    target_dir, _ = tiny_pair
+    verifier = Verifier(load_model(str(target_dir), CPU, torch.float32, num_slots=2), VerifyConfig(max_sessions=2))
+    results = verifier.step([PrefillJob("left", (4, 5), GREEDY), ReleaseJob("left")])
+    assert isinstance(results[0], FailedPrecondition) and "left" not in verifier.sessions
+    assert verifier.backend.in_use == 0

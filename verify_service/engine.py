@@ -180,10 +180,15 @@ class Verifier:
             elif isinstance(job, SweepJob):
                 self._sweep(job.now)
         prefilled = {job.session_id for job in jobs if isinstance(job, PrefillJob)}
+        released = {job.session_id for job in jobs if isinstance(job, ReleaseJob)}
         for index, job in enumerate(jobs):
             if isinstance(job, (ReleaseJob, SweepJob)):
                 continue
             try:
+                # A prefill beside its session's release: its caller has given up (it releases
+                # only then), and a session made now would be held until the TTL.
+                if isinstance(job, PrefillJob) and job.session_id in released:
+                    raise FailedPrecondition(f"session {job.session_id!r} was released", 0)
                 if isinstance(job, DecodeJob):
                     if job.ended.is_set():
                         continue  # its caller has gone: nothing more to make

@@ -61,6 +61,10 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         job = PrefillJob(request.session_id, tuple(request.token_ids), SamplingParams.from_proto(request.sampling))
         outcome = self._run(job)
         self._metrics.prefills.inc()
+        if not context.is_active():
+            # Its caller left while it was queued (a client gone mid-prefill): the caller's
+            # Release may have come first and found nothing, so the session is freed here.
+            self._batcher.submit(ReleaseJob(request.session_id))
         return verify_pb2.PrefillResponse(
             next_token_id=outcome.next_token_id,
             num_verified=outcome.num_verified,
