@@ -261,7 +261,7 @@ def plan_for(
     if not 0 <= min_p <= 1:
         raise bad_request("speculation.min_draft_probability must lie in [0, 1]", "speculation.min_draft_probability")
     method = _method(speculation.method, defaults.method, served)
-    # A sampled request with a seed must give the same output whatever else runs (DESIGN.md,
+    # A sampled request with a seed must give the same output whatever else runs (docs/design.md,
     # invariant 4), and its keyed randomness reproduces it only for the same rounds: it keeps
     # its method whatever the load, and a K that no timing chooses.
     seeded_sampled = request.temperature != 0 and request.seed is not None

@@ -22,13 +22,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 
 from gateway.api import ApiError, ChatCompletionRequest, CompletionRequest, bad_request, check_model, plan_for
-from gateway.backends import Backends, IncompatibleModels, ServedModel, check_pair, served_model
+from gateway.backends import (
+    Backends,
+    IncompatibleModels,
+    ServedModel,
+    check_pair,
+    served_model,
+    wait_for_model_info,
+)
 from gateway.config import GatewayConfig
 from gateway.generation import GenerationPlan, SpeculationStats, generate
 from gateway.observe import RequestObserver
 from gateway.replicas import NoReplica
 from gateway.text import TextAssembler
 from specserve.metrics import GatewayMetrics
+from specserve.v1 import draft_pb2_grpc, verify_pb2_grpc
 from specserve.v1.common_pb2 import ModelInfo, ModelInfoRequest
 
 log = logging.getLogger(__name__)
@@ -55,11 +63,13 @@ _GRPC_TO_HTTP = {
 @dataclass
 class Gateway:
     config: GatewayConfig
-    served: ServedModel
+    served: ServedModel | None  # None while starting: the verify service has not answered yet
     tokenizer: object
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     backends: Backends | None = None
     in_flight: int = 0  # requests being generated (touched only on the event loop)
+    fatal: BaseException | None = None  # why the gateway could not start
+    background: list = field(default_factory=list)  # its start-up and watching tasks
     tokenizer_threads: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
     )
@@ -109,30 +119,23 @@ class Gateway:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_threads, run)
 
 
-def create_app(
-    config: GatewayConfig,
-    served: ServedModel,
-    tokenizer,
-    target: ModelInfo | None = None,
-    draft: ModelInfo | None = None,
-) -> FastAPI:
-    """target, draft: the services' models as they answered at start-up; a configured draft
-    service that had not answered (draft None, target given) is watched for, and drafts once
-    it answers with the target's vocabulary."""
-    gateway = Gateway(config, served, tokenizer)
+def create_app(config: GatewayConfig, tokenizer, fingerprint: str, on_fatal=None) -> FastAPI:
+    """The gateway's app. It answers at once: /health says "starting" (503) and the API 503
+    until the verify service has answered with a model the tokenizer (its fingerprint)
+    belongs to; a draft service is waited for up to draft_startup_wait_s, then watched for.
+    A pair that cannot be served is logged in one line and on_fatal() stops the server."""
+    gateway = Gateway(config, None, tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         backends = Backends(config.draft_address, config.verify_address, config.deadlines, config.channel_security)
         gateway.backends = backends
         await backends.start()
-        backends.draft_usable = draft is not None or target is None
-        watch = None
-        if backends.draft_configured and not backends.draft_usable:
-            watch = asyncio.ensure_future(_watch_draft_service(gateway, target))
+        tasks = [asyncio.ensure_future(_start_up(gateway, fingerprint, on_fatal))]
+        gateway.background = tasks
         yield
-        if watch is not None:
-            watch.cancel()
+        for task in tasks:
+            task.cancel()
         await backends.close()
 
     # FastAPI traces each HTTP request itself (the root span of a request's trace) once a
@@ -145,8 +148,11 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        """Ready (200) while a verifier replica serves; the body says which parts are up."""
+        """Ready (200) while a verifier replica serves; the body says which parts are up
+        ("starting" until the gateway has its model)."""
         body = await gateway.backends.health()
+        if gateway.served is None:
+            body["status"] = "starting"
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     @app.get("/metrics")
@@ -155,6 +161,7 @@ def create_app(
 
     @app.get("/v1/models")
     async def models():
+        served = gateway.served
         card = {"id": served.name, "object": "model", "created": 0, "owned_by": "specserve",
                 "max_model_len": served.max_context_length}  # fmt: skip
         return {"object": "list", "data": [card]}
@@ -214,6 +221,9 @@ class Guard:
             error = ApiError(401, "a valid API key is required: 'Authorization: Bearer KEY'", code="invalid_api_key")
             reply = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
             return await reply(scope, receive, send)
+        if self.gateway.served is None and scope["path"] not in OPEN_PATHS:
+            error = ApiError(503, "the gateway is starting: its verify service has not answered yet", code="starting")
+            return await JSONResponse(error.body(), status_code=503, headers={"Retry-After": "2"})(scope, receive, send)
         if not (scope["method"] == "POST" and scope["path"].startswith("/v1/")):
             return await self.app(scope, receive, send)
         limit = self.gateway.config.max_body_bytes
@@ -270,6 +280,40 @@ def _replay(body: bytes, receive):
         return await receive()
 
     return replayed
+
+
+async def _start_up(gateway: Gateway, fingerprint: str, on_fatal) -> None:
+    """Waits for the verify service's model (and a draft service's, for a while), checks the
+    pair, and opens the API; a pair that cannot be served stops the gateway (on_fatal)."""
+    config, backends = gateway.config, gateway.backends
+    security = config.channel_security
+    try:
+        target = await asyncio.to_thread(wait_for_model_info, config.verify_address,
+                                         verify_pb2_grpc.VerifyServiceStub, config.startup_timeout_s, security)  # fmt: skip
+        draft = None
+        if config.draft_address:
+            try:
+                draft = await asyncio.to_thread(wait_for_model_info, config.draft_address,
+                                                draft_pb2_grpc.DraftServiceStub, config.draft_startup_wait_s, security)  # fmt: skip
+            except TimeoutError as error:  # an outage of the drafts is no outage of the service
+                log.warning("%s; serving target-only rounds until the draft service answers", error)
+        check_pair(target, draft, fingerprint)
+    except (IncompatibleModels, TimeoutError, ValueError) as error:
+        log.error("refusing to start: %s", error)
+        gateway.fatal = error
+        if on_fatal is not None:
+            on_fatal()
+        return
+    served = served_model(target, draft, config.served_model_name, draft_service=bool(config.draft_address))
+    backends.draft_usable = draft is not None
+    gateway.served = served
+    drafts = [f"{', '.join(sorted(served.local_methods)) or 'none'} in the verifier"]
+    if config.draft_address:
+        name = draft.model_name if draft is not None else "not answering yet"
+        drafts.append(f"{', '.join(sorted(served.remote_methods))} from the draft service ({name})")
+    log.info("serving %s on http://%s:%d; drafts: %s", served.name, config.host, config.port, "; ".join(drafts))
+    if config.draft_address and draft is None:
+        gateway.background.append(asyncio.ensure_future(_watch_draft_service(gateway, target)))
 
 
 async def _watch_draft_service(gateway: Gateway, target: ModelInfo) -> None:

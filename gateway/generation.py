@@ -7,7 +7,7 @@ Where the draft service drafts, each round is a Draft call and a Verify call. Ta
 (method "none", a crowded server, or a draft service that is down) is one Decode stream of
 tokens.
 
-The gateway owns the canonical sequence (DESIGN.md, invariant 3): services hold caches that
+The gateway owns the canonical sequence (docs/design.md, invariant 3): services hold caches that
 can be rebuilt. A draft stream that fails costs a target-only stretch and is reopened with
 the whole sequence; a verifier that lost the session (or restarted mid-decode) is
 prefilled again from the sequence.

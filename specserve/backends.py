@@ -82,6 +82,13 @@ class RunnerBackend:
         return steps is not None and steps.compiling
 
     @property
+    def steps_built(self) -> bool:
+        """Whether the one-token steps are compiled (or failed, or not asked for): what a
+        service waits for before it reports ready."""
+        steps = self.runner.compiled_steps
+        return steps is None or steps.ready or steps.failed
+
+    @property
     def in_use(self) -> int:
         return self.runner.num_slots - self.runner.free_slots
 
@@ -130,6 +137,7 @@ class TransformersBackend:
 
     name = "transformers"
     compiling = False
+    steps_built = True
 
     def __init__(self, model, device: torch.device, max_context_length: int, max_sequences: int):
         self.model = model

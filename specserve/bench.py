@@ -1,5 +1,5 @@
 """`specserve bench`: how much faster speculative decoding answers than the target alone,
-measured side by side in one run, and explained with DESIGN.md's model.
+measured side by side in one run, and explained with docs/design.md's model.
 
 Rows per (workload, temperature, clients): target-only through the stack (method "none"),
 speculative through the stack for each K (and adaptive K), and, with one client,
@@ -8,7 +8,7 @@ its assistant model, in this process. Requests of every row interleave prompt by
 load elsewhere on the machine hits all rows alike: compare ratios within one run, not
 absolute figures across runs.
 
-For each speculative row, DESIGN.md's decomposition of a round, every cost relative to one
+For each speculative row, docs/design.md's decomposition of a round, every cost relative to one
 target step t (the verifier's forward time per token of the "none" row): alpha (acceptance
 rate), E (tau: tokens per round), K (mean draft tokens per drafted round), c (a draft step:
 drafting time per draft token / t), v (the verify forward / t) and h (the rest of a round:
@@ -80,6 +80,7 @@ class Row:
     timings: dict[str, float] = field(default_factory=dict)
     accepted_per_position: list[int] = field(default_factory=list)
     batch_sizes: dict[str, int] = field(default_factory=dict)
+    samples: list[tuple[int, float]] = field(default_factory=list)  # one client: (tokens, seconds) per prompt
 
     @property
     def label(self) -> str:
@@ -125,7 +126,7 @@ ADAPTIVE_MIN_PROBABILITY = 0.0
 
 
 def analyse(row: Row, baseline: Row | None) -> dict:
-    """DESIGN.md's quantities for a row, against the target-only row of its group."""
+    """docs/design.md's quantities for a row, against the target-only row of its group."""
     out = {"tokens_per_s": row.tokens_per_s}
     out["ttft_p50_ms"] = _pct(row.ttft, 50) * 1000 if row.ttft else None
     out["itl_p50_ms"] = _pct(row.itl, 50) * 1000 if row.itl else None
@@ -229,6 +230,7 @@ def run_stack_row(url: str, prompts: list, row: Row, max_tokens: int) -> None:
         row.itl.extend(gaps)
         if row.clients == 1:  # one client: the sum of its request times
             row.wall_seconds += seconds
+            row.samples.append((usage["completion_tokens"], seconds))
 
 
 # ----------------------------------------------------------------------------- transformers rows
@@ -264,9 +266,11 @@ class Transformers:
             started = time.perf_counter()
             with self.torch.inference_mode():
                 out = target.generate(ids, attention_mask=self.torch.ones_like(ids), **kwargs)
-            row.wall_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            row.wall_seconds += seconds
             row.requests += 1
             row.completion_tokens += out.shape[1] - ids.shape[1]
+            row.samples.append((out.shape[1] - ids.shape[1], seconds))
 
 
 # ----------------------------------------------------------------------------- the run
@@ -335,8 +339,11 @@ def results(rows: list[Row]) -> list[dict]:
                   "k": row.k, "dtype": row.dtype, "adaptive": row.adaptive, "pipeline": row.pipeline, "min_draft_probability": row.min_draft_probability, "label": row.label,
                   "requests": row.requests, "completion_tokens": row.completion_tokens,
                   **analyse(row, baseline)}  # fmt: skip
+        record["rounds"] = row.rounds
         if single is not None and single.tokens_per_s:
             record["vs_one_client"] = row.tokens_per_s / single.tokens_per_s
+        if baseline is not None and row is not baseline and row.clients == 1:
+            record["speedup_band"] = speedup_band(row, baseline)
         record["ms_per_round"] = {k: row.per_round(k) * 1000 for k in
                                   ("draft_server_seconds", "draft_seconds", "verify_forward_seconds",
                                    "verify_kernel_seconds", "verify_seconds", "wire_seconds")}  # fmt: skip
@@ -352,8 +359,54 @@ def results(rows: list[Row]) -> list[dict]:
     return out
 
 
-def _f(value, digits=2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+def _f(value, digits=2, unit="") -> str:
+    """A table cell: blank where there is no value."""
+    return "" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def speedup_band(row: Row, baseline: Row, draws: int = 2000) -> tuple[float, float] | None:
+    """A 90% interval of row's tokens/s over baseline's, by resampling the prompts (each
+    prompt ran in both rows, one after the other, so the machine's drift cancels)."""
+    import random
+
+    pairs = list(zip(row.samples, baseline.samples))
+    if len(pairs) < 3 or len(row.samples) != len(baseline.samples):
+        return None
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(draws):
+        picked = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        mine = sum(a[0] for a, _ in picked) / sum(a[1] for a, _ in picked)
+        theirs = sum(b[0] for _, b in picked) / sum(b[1] for _, b in picked)
+        ratios.append(mine / theirs)
+    ratios.sort()
+    return ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]
+
+
+def verdicts(records: list[dict]) -> str:
+    """One line per group of one client: the fastest speculative row against target-only and
+    against the faster transformers row, with its noise band and its decomposition."""
+    lines = []
+    groups = {(r["workload"], r["temperature"]) for r in records if r["clients"] == 1}
+    for workload, temperature in sorted(groups):
+        group = [r for r in records if (r["workload"], r["temperature"], r["clients"]) == (workload, temperature, 1)]
+        speculative = [r for r in group if r["method"] in SPECULATIVE and r.get("measured_speedup")]
+        if not speculative:
+            continue
+        best = max(speculative, key=lambda r: r["tokens_per_s"])
+        band = best.get("speedup_band")
+        line = f"verdict: {workload}, T={temperature}: {best['label']} {best['measured_speedup']:.2f}x target-only"
+        if band:
+            line += f" (90% band {band[0]:.2f}-{band[1]:.2f} over the prompts)"
+        hf = [r["tokens_per_s"] for r in group if r["method"] == "hf_target" and r["tokens_per_s"]]
+        if hf:
+            line += f", {best['tokens_per_s'] / max(hf):.2f}x the faster transformers generate()"
+        if best.get("tau") is not None and best.get("c") is not None:
+            line += (f"; a round makes {best['tau']:.2f} tokens and costs {best['mean_k']:.1f} draft steps of "
+                     f"{best['c']:.3f}, a verify of {best['v']:.2f} and {best['h']:.2f} of overhead, in target steps "
+                     f"(predicted {best['predicted_speedup']:.2f}x)")  # fmt: skip
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def markdown(records: list[dict]) -> str:
@@ -367,9 +420,9 @@ def markdown(records: list[dict]) -> str:
             method += f" ({r['drafted_rounds']:.0%} of rounds drafted)"
         lines.append(
             f"| {r['workload']} | {r['temperature']} | {r['clients']} | {method} | {r['tokens_per_s']:.1f} "
-            f"| {_f(r.get('measured_speedup'))}x | {_f(r.get('ttft_p50_ms'), 1)} | {_f(r.get('itl_p50_ms'), 1)}/{_f(r.get('itl_p99_ms'), 1)} "
+            f"| {_f(r.get('measured_speedup'), unit='x')} | {_f(r.get('ttft_p50_ms'), 1)} | {_f(r.get('itl_p50_ms'), 1)}/{_f(r.get('itl_p99_ms'), 1)} "
             f"| {_f(r.get('alpha'))} | {_f(r.get('tau'))} | {_f(r.get('mean_k'), 1)} | {_f(r.get('c'), 3)} | {_f(r.get('v'))} "
-            f"| {_f(r.get('h'))} | {_f(r.get('predicted_speedup'))}x | {_f(r.get('bytes_per_round'), 0)} |"
+            f"| {_f(r.get('h'))} | {_f(r.get('predicted_speedup'), unit='x')} | {_f(r.get('bytes_per_round'), 0)} |"
         )
     return "\n".join(lines) + "\n\n" + round_split(records)
 
@@ -411,6 +464,8 @@ def plots(records: list[dict], out_dir: Path) -> None:
         )
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{workload}, T={temperature}")
     ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(sorted({r["k"] for r in single}))  # the Ks measured, as integers
+    ax.set_title("Speedup against target-only by K (one client)")
     ax.set_xlabel("K (draft tokens per round)")
     ax.set_ylabel("speedup vs target-only (same run)")
     ax.legend(fontsize=8)
@@ -423,6 +478,7 @@ def plots(records: list[dict], out_dir: Path) -> None:
         if r["k"] == max(x["k"] for x in single) and r["acceptance_by_position"]:
             ax.plot(range(1, len(r["acceptance_by_position"]) + 1), r["acceptance_by_position"], marker="o",
                     label=f"{r['workload']}, T={r['temperature']}")  # fmt: skip
+    ax.set_title("Acceptance by draft position (largest fixed K)")
     ax.set_xlabel("draft position")
     ax.set_ylabel("fraction of rounds accepting it")
     ax.set_ylim(0, 1)
@@ -431,22 +487,30 @@ def plots(records: list[dict], out_dir: Path) -> None:
     fig.savefig(out_dir / "acceptance_by_position.png", dpi=120)
     plt.close(fig)
 
-    stack_rows = [r for r in records if r["method"] not in ("hf_target", "hf_assisted") and r["clients"] == 1]
-    fig, ax = plt.subplots(figsize=(8, max(3, 0.3 * len(stack_rows))))
-    parts = [("draft service", lambda m: m["draft_server_seconds"]), ("target forward", lambda m: m["verify_forward_seconds"]),
-             ("kernel", lambda m: m["verify_kernel_seconds"]),
-             ("wire and queues", lambda m: m["draft_seconds"] + m["verify_seconds"] - m["draft_server_seconds"]
+    stack_rows = [r for r in records if r["method"] not in ("hf_target", "hf_assisted") and r["clients"] == 1
+                  and r.get("rounds")]  # fmt: skip
+    fig, axes = plt.subplots(1, 2, figsize=(12, max(3, 0.35 * len(stack_rows))), sharey=True)
+    parts = [("drafting", lambda m: m["draft_server_seconds"]), ("target forward", lambda m: m["verify_forward_seconds"]),
+             ("decision", lambda m: m["verify_kernel_seconds"]),
+             ("wire, queues, bookkeeping", lambda m: m["draft_seconds"] + m["verify_seconds"] - m["draft_server_seconds"]
               - m["verify_forward_seconds"] - m["verify_kernel_seconds"])]  # fmt: skip
-    for i, (name, value) in enumerate(parts):
-        lefts = [sum(p[1](r["ms_per_round"]) for p in parts[:i]) for r in stack_rows]
-        ax.barh(range(len(stack_rows)), [value(r["ms_per_round"]) for r in stack_rows], left=lefts, label=name)
-    ax.set_yticks(
+    # A round of speculation makes several tokens: per token is what a user waits for.
+    per_token = [r["rounds"] / r["completion_tokens"] for r in stack_rows]
+    for ax, scale, title in ((axes[0], [1.0] * len(stack_rows), "ms per round"), (axes[1], per_token, "ms per token")):
+        for i, (name, value) in enumerate(parts):
+            widths = [value(r["ms_per_round"]) * f for r, f in zip(stack_rows, scale)]
+            lefts = [sum(p[1](r["ms_per_round"]) for p in parts[:i]) * f for r, f in zip(stack_rows, scale)]
+            ax.barh(range(len(stack_rows)), widths, left=lefts, label=name)
+        ax.set_title(title)
+        ax.set_xlabel(title)
+    axes[0].set_yticks(
         range(len(stack_rows)),
-        [f"{r['workload']} T={r['temperature']} {r['method']} K={r['k']}" for r in stack_rows],
+        [f"{r['workload']} T={r['temperature']} {r['label']} ({r['completion_tokens'] / r['rounds']:.1f} tokens/round)"
+         for r in stack_rows],
         fontsize=7,
-    )
-    ax.set_xlabel("ms per round")
-    ax.legend(fontsize=8)
+    )  # fmt: skip
+    axes[1].legend(fontsize=8)
+    fig.suptitle("Where a round's time goes, one client")
     fig.tight_layout()
     fig.savefig(out_dir / "latency_split.png", dpi=120)
     plt.close(fig)
@@ -503,11 +567,15 @@ def wait_for_compiled_steps(metrics_port: int, deadline: float) -> None:
         time.sleep(1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specserve bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", help="a running gateway; default: start the stack on --target/--draft")
-    parser.add_argument("--target", default=str(DEMO_TARGET))
-    parser.add_argument("--draft", default=str(DEMO_DRAFT))
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specserve bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--url", help="a running gateway (its base URL); none: start the stack on --target/--draft")
+    parser.add_argument("--target", default=str(DEMO_TARGET), help="target model of a stack the bench starts")
+    parser.add_argument("--draft", default=str(DEMO_DRAFT), help="draft model of a stack the bench starts")
     parser.add_argument("--device", default="auto", help="device of a stack the bench starts")
     parser.add_argument(
         "--max-speculating-requests",
@@ -517,10 +585,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--draft-service", action="store_true",
                         help="a stack the bench starts drafts in a draft service of its own (`specserve up --draft-service`)")  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="code, T=0, K=4 and adaptive, one client: under 3 minutes")
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
-    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument(
+        "--quick", action="store_true", help="code, T=0, K=4 and adaptive, one client: about a minute on the demo pair"
+    )
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS, help="prompt sets")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8], help="0: greedy")
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8], help="fixed Ks, a row each")
     parser.add_argument(
         "--methods", nargs="+", default=["draft_model"], choices=SPECULATIVE, help="speculative methods"
     )
@@ -528,19 +598,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adaptive-min-probability", type=float, default=ADAPTIVE_MIN_PROBABILITY,
                         help="the adaptive row's min_draft_probability: drafting stops below it")  # fmt: skip
     parser.add_argument("--pipeline", action="store_true", help="add pipelined draft_model rows for each K")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="clients at once")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per workload")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")
     parser.add_argument("--no-transformers", dest="transformers", action="store_false",
                         help="skip the in-process transformers rows")  # fmt: skip
     parser.add_argument("--hf-dtypes", nargs="+", default=["float32", "float16"], choices=["float32", "float16", "bfloat16"],
                         help="dtypes of the transformers rows' models (hf_assisted: the first)")  # fmt: skip
     parser.add_argument("--output", default="bench-results", help="directory for bench.json, bench.md and PNGs")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.workloads, args.temperatures, args.k, args.concurrency = ["code"], [0.0], [4], [1]
         args.adaptive = True
         args.prompts, args.max_tokens = min(args.prompts, 6), min(args.max_tokens, 64)
+    if args.url:
+        from specserve.ports import gateway_url
+
+        args.url = gateway_url(args.url, "specserve bench")
+        if args.url is None:
+            return 2
     process, url, ports = (None, args.url, {}) if args.url else start_stack(args, with_ports=True)
     try:
         records = results(
@@ -553,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
     table = markdown(records)
+    verdict = verdicts(records)
+    table += f"\n\n{verdict}" if verdict else ""
     print(table)
     (out_dir / "bench.md").write_text(table + "\n")
     (out_dir / "bench.json").write_text(json.dumps({"args": vars(args), "rows": records}, indent=2))

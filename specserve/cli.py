@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from specserve.paths import DEMO_DRAFT, DEMO_TARGET
+from specserve.paths import DEMO_DRAFT, DEMO_TARGET, TOKENIZER_FILES
 
 SERVICE_MODULES = {"draft": "draft_service", "verify": "verify_service", "gateway": "gateway"}
 
@@ -125,6 +125,16 @@ def _parser() -> argparse.ArgumentParser:
         f"{CPU_MAX_SPECULATING_REQUESTS} when the models run on the CPU, else 0)",
     )
     up_parser.add_argument("--startup-timeout", type=float, default=300, help="seconds to wait for readiness")
+    # The gateway's request defaults (what a request that does not say gets), passed on.
+    up_parser.add_argument("--method", choices=("draft_model", "early_exit", "ngram", "none"), default=None,
+                           help="speculation method of requests that set none (the gateway's default: draft_model)")  # fmt: skip
+    up_parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                           help="K of requests that set none, where adaptive K starts (the gateway's default: 4)")  # fmt: skip
+    up_parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                           help="choose each round's K by measured cost, for requests that do not say (default on)")  # fmt: skip
+    up_parser.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
+                           help="pipeline a draft service's rounds, for requests that do not say (default off)")  # fmt: skip
+    up_parser.add_argument("--trace-console", action="store_true", help="every part prints its spans to stderr")
     for name in SERVICE_MODULES:
         commands.add_parser(name, help=f"run only the {name} service (`specserve {name} --help`)", add_help=False)
     commands.add_parser("gen-protos", help="regenerate the gRPC stubs from protos/ (--check to verify)", add_help=False)
@@ -135,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("trace", help="per-hop latency table and plots from a run's spans", add_help=False)
     commands.add_parser("eval-demo", help="measure the demo pair's model-card figures", add_help=False)
     commands.add_parser("bench", help="speculative vs target-only through a running gateway", add_help=False)
+    commands.add_parser(
+        "load", help="soak a stack it starts with streaming clients, checking every greedy output", add_help=False
+    )
     return parser
 
 
@@ -145,22 +158,30 @@ def _service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     python = [sys.executable, "-m"]
     verify = [*python, "verify_service", "--model", args.target, "--port", str(args.verify_port), "--device",
               args.device, "--metrics-port", str(args.verify_metrics_port)]  # fmt: skip
+    verify += ["--trace-console"] if args.trace_console else []
     if not args.draft_service:
         return {"verify": [*verify, "--draft-model", args.draft, "--early-exit-layers", str(EARLY_EXIT_LAYERS)]}
     return {
         "verify": verify,
         "draft": [*python, "draft_service", "--model", args.draft, "--port", str(args.draft_port), "--device", args.device,
                   "--metrics-port", str(args.draft_metrics_port), "--early-exit-model", args.target,
-                  "--early-exit-layers", str(EARLY_EXIT_LAYERS)],
+                  "--early-exit-layers", str(EARLY_EXIT_LAYERS), *(["--trace-console"] if args.trace_console else [])],
     }  # fmt: skip
 
 
 def _gateway_command(args: argparse.Namespace) -> list[str]:
     draft_address = f"127.0.0.1:{args.draft_port}" if args.draft_service else ""
+    defaults = [
+        *(["--method", args.method] if args.method else []),
+        *(["--num-speculative-tokens", str(args.num_speculative_tokens)] if args.num_speculative_tokens else []),
+        *([] if args.adaptive is None else ["--adaptive" if args.adaptive else "--no-adaptive"]),
+        *([] if args.pipeline is None else ["--pipeline" if args.pipeline else "--no-pipeline"]),
+    ]
     return [
         sys.executable, "-m", "gateway", "--host", args.host, "--port", str(args.port), "--tokenizer", args.target,
         "--draft-address", draft_address, "--verify-address", f"127.0.0.1:{args.verify_port}",
-        *_speculation_limit(args.max_speculating_requests, args.device),
+        *_speculation_limit(args.max_speculating_requests, args.device), *defaults,
+        *(["--trace-console"] if args.trace_console else []),
     ]  # fmt: skip
 
 
@@ -189,31 +210,70 @@ def up(args: argparse.Namespace) -> int:
     if args.max_speculating_requests != "auto" and not args.max_speculating_requests.isdigit():
         print("specserve: --max-speculating-requests takes auto or a count (0: no limit)", file=sys.stderr)
         return 2
+    busy = _busy_port(args)
+    if busy:
+        print(busy, file=sys.stderr)
+        return 2
     for role, path in (("target", args.target), ("draft", args.draft)):
         if not (Path(path) / "config.json").is_file():
             print(f"specserve: no {role} model at {path} (no config.json); pass --{role} DIR", file=sys.stderr)
             return 2
-    commands = _service_commands(args)
-    processes = {name: subprocess.Popen(command) for name, command in commands.items()}
-    # Built once the services load: resolving --device for its speculation limit imports torch.
-    commands["gateway"] = _gateway_command(args)
-    processes["gateway"] = subprocess.Popen(commands["gateway"])
+        if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+            print(f"specserve: the {role} model at {path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, "
+                  "...): copy the model's tokenizer there", file=sys.stderr)  # fmt: skip
+            return 2
     stopping = {"signal": None}
 
     def request_stop(signum, _frame):
         stopping["signal"] = signum
 
+    # The parts run in sessions of their own: a Ctrl-C reaches this supervisor only, which
+    # stops them (SIGTERM: each drains and leaves quietly) and says so in one line.
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    commands = _service_commands(args)
+    processes = {name: _start(command) for name, command in commands.items()}
     try:
+        # Built once the services load: resolving --device for its speculation limit imports torch.
+        commands["gateway"] = _gateway_command(args)
+        processes["gateway"] = _start(commands["gateway"])
         url = f"http://{args.host}:{args.port}"
         if not _wait_healthy(url, processes, args.startup_timeout, stopping):
-            return 1
+            return 0 if stopping["signal"] is not None else 1
         _print_welcome(url)
         _supervise(commands, processes, stopping)
         return 0
+    except KeyboardInterrupt:  # a Ctrl-C before the handler above was set
+        return 0
     finally:
         _stop_all(processes)
+        if stopping["signal"] is not None:
+            print("specserve: stopped", file=sys.stderr, flush=True)
+
+
+def _start(command: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(command, start_new_session=True)
+
+
+def _busy_port(args: argparse.Namespace) -> str | None:
+    """One line naming the first port (and its flag) that is taken or given twice, before
+    anything loads; None when all are free."""
+    from specserve.ports import busy_port_message
+
+    ports = [(args.host, args.port, "--port"), ("127.0.0.1", args.verify_port, "--verify-port"),
+             ("127.0.0.1", args.verify_metrics_port, "--verify-metrics-port")]  # fmt: skip
+    if args.draft_service:
+        ports += [("127.0.0.1", args.draft_port, "--draft-port"),
+                  ("127.0.0.1", args.draft_metrics_port, "--draft-metrics-port")]  # fmt: skip
+    seen: dict[int, str] = {}
+    for host, port, flag in ports:
+        if port in seen:
+            return f"specserve up: port {port} is given twice ({seen[port]} and {flag}); pick another {flag}"
+        seen[port] = flag
+        message = busy_port_message("specserve up", host, port, flag)
+        if message:
+            return message
+    return None
 
 
 def _supervise(commands: dict[str, list[str]], processes: dict[str, subprocess.Popen], stopping: dict) -> None:
@@ -238,7 +298,7 @@ def _supervise(commands: dict[str, list[str]], processes: dict[str, subprocess.P
             due[name] = now + pause
         for name, when in list(due.items()):
             if now >= when:
-                processes[name] = subprocess.Popen(commands[name])
+                processes[name] = _start(commands[name])
                 restarts[name] += 1
                 started[name] = now
                 del due[name]

@@ -57,13 +57,27 @@ def header_check(url: str, headers: list[str], max_tokens: int) -> dict:
     return {"headers": len(headers), "tokenize_ok": sum(ok), "samples": texts[:3]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specserve eval-demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specserve eval-demo",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="a running gateway's base URL")
     parser.add_argument("--prompts", type=int, default=24, help="held-out code prompts per setting")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--output", default="bench-results/demo_eval.json")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")
+    parser.add_argument("--output", default="bench-results/demo_eval.json", help="where the JSON goes")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    from specserve.ports import gateway_url
+
+    args.url = gateway_url(args.url, "specserve eval-demo")
+    if args.url is None:
+        return 2
     prompts = code_completion_prompts(args.prompts)
     rows = []
     for temperature in (0.0, 0.8):

@@ -7,7 +7,7 @@ Methods: "draft_model" (a small model of its own), "early_exit" (the target's fi
 final norm and LM head) and "ngram" (no model: copy what followed the latest earlier
 occurrence of the sequence's longest repeated suffix). For the model methods q_i is the
 processed distribution (the request's temperature, top-k and top-p applied to the draft
-logits) truncated to the support_size most likely tokens and renormalised (DESIGN.md,
+logits) truncated to the support_size most likely tokens and renormalised (docs/design.md,
 invariant 2); an n-gram draft is deterministic, so its q_i is one-hot. Greedy requests get
 no distributions. Drafting stops early, for the model methods, once the draft's most likely
 next token falls below min_draft_probability (adaptive length).

@@ -209,16 +209,30 @@ def fuzz_grpc(verify_address: str, draft_address: str, count: int, tally: Tally)
         check_draft()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specserve fuzz", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--verify-address", default="127.0.0.1:50052")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specserve fuzz",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's base URL")
+    parser.add_argument("--verify-address", default="127.0.0.1:50052", help="the verify service to fuzz")
     parser.add_argument(
         "--draft-address", default="", help="a draft service to fuzz too (`specserve up --draft-service`)"
     )
     parser.add_argument("--count", type=int, default=2000, help="generated inputs per kind (HTTP, verify, draft)")
-    parser.add_argument("--api-key", default="")
+    parser.add_argument("--api-key", default="", help="the gateway's API key, where it needs one")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    from specserve.ports import gateway_url
+
+    args.url = gateway_url(args.url, "specserve fuzz")
+    if args.url is None:
+        return 2
     try:
         import hypothesis  # noqa: F401
     except ImportError:

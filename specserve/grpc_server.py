@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
@@ -144,6 +145,9 @@ def _guard_stream(behavior: Callable, method: str, traced: bool = False) -> Call
 # connections after 10 minutes (with 10 more for the streams on them to finish) lets new
 # replicas take load. A draft stream that still outlives that costs one target-only round.
 SERVER_OPTIONS = [
+    # One server per port: with gRPC's default SO_REUSEPORT a second service started on the
+    # same port would listen beside the first, and calls would land on either.
+    ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_connection_age_ms", 600_000),
@@ -164,7 +168,9 @@ def start_health_port(servicer: health.HealthServicer, host: str, port: int) -> 
     (the kubelet's native gRPC probe); None when port is 0."""
     if not port:
         return None
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"), options=[("grpc.so_reuseport", 0)]
+    )
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     if server.add_insecure_port(f"{host}:{port}") == 0:
         raise SystemExit(f"could not listen on {host}:{port}")
@@ -194,18 +200,33 @@ def serve_until_signalled(
     credentials: grpc.ServerCredentials | None = None,
     main_loop: Callable[[], None] | None = None,
     on_stopped: Callable[[], None] | None = None,
+    ready: Callable[[], bool] | None = None,
 ) -> None:
     """Starts the server (TLS only when given credentials), reports SERVING, and runs
-    main_loop on this thread (or waits). On SIGTERM or SIGINT: reports NOT_SERVING, lets
+    main_loop on this thread (or waits); with ready, SERVING waits until ready() holds. On
+    SIGTERM or SIGINT: reports NOT_SERVING, lets
     in-flight calls finish for up to grace_s, stops, then calls on_stopped, which must make
     main_loop return."""
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise SystemExit(f"could not listen on {address}")
     server.start()
-    set_serving(servicer, service_names, True)
-    log.info("serving %s on %s", ", ".join(service_names), address)
     stopped = threading.Event()
+    if ready is None or ready():
+        set_serving(servicer, service_names, True)
+        log.info("serving %s on %s", ", ".join(service_names), address)
+    else:  # calls are answered meanwhile; health says NOT_SERVING until ready() holds
+        set_serving(servicer, service_names, False)
+        log.info("serving %s on %s; ready once the drafts' steps are compiled", ", ".join(service_names), address)
+
+        def report_ready() -> None:
+            while not stopped.is_set() and not ready():
+                time.sleep(0.2)
+            if not stopped.is_set():
+                set_serving(servicer, service_names, True)
+                log.info("ready")
+
+        threading.Thread(target=report_ready, name="report-ready", daemon=True).start()
 
     def shut_down() -> None:
         log.info("shutting down (grace %.0f s)", grace_s)
@@ -227,7 +248,22 @@ def serve_until_signalled(
     stopped.wait()
 
 
-def run_service(service_name: str, register: Callable[[grpc.Server], None], config, batcher=None, tracing=None) -> None:
+def busy_port(config, program: str) -> str | None:
+    """One line naming a port of a service's config (its gRPC, metrics or health port) that
+    is taken, checked before the model loads; None when all are free."""
+    from specserve.ports import busy_port_message
+
+    for port, flag in ((config.port, "--port"), (config.metrics_port, "--metrics-port"),
+                       (config.health_port, "--health-port")):  # fmt: skip
+        message = busy_port_message(program, config.host, port, flag)
+        if message:
+            return message
+    return None
+
+
+def run_service(
+    service_name: str, register: Callable[[grpc.Server], None], config, batcher=None, tracing=None, ready=None
+) -> None:
     """Builds the server around one servicer (register adds it) as a service config asks
     (address, max_workers, grace_s, TLS files, health_port) and serves until signalled,
     running the batcher's worker (if any) on this, the main, thread; then flushes the spans
@@ -239,7 +275,7 @@ def run_service(service_name: str, register: Callable[[grpc.Server], None], conf
     health_server = start_health_port(servicer, config.address.rsplit(":", 1)[0], config.health_port)
     serve_until_signalled(
         server, servicer, [service_name], config.address, config.grace_s, credentials,
-        main_loop=batcher.run if batcher else None, on_stopped=batcher.close if batcher else None,
+        main_loop=batcher.run if batcher else None, on_stopped=batcher.close if batcher else None, ready=ready,
     )  # fmt: skip
     if health_server is not None:
         health_server.stop(0)

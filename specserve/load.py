@@ -103,16 +103,25 @@ def kill_draft(draft_port: int) -> int | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specserve load", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default=str(DEMO_TARGET), help="target model directory (default: the demo's)")
-    parser.add_argument("--draft", default=str(DEMO_DRAFT), help="draft model directory (default: the demo's)")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specserve load",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--target", default=str(DEMO_TARGET), help="target model directory (the demo's)")
+    parser.add_argument("--draft", default=str(DEMO_DRAFT), help="draft model directory (the demo's)")
     parser.add_argument("--device", default="auto", help="device of the stack it starts (auto: CUDA when present)")
     parser.add_argument("--clients", type=int, default=32, help="concurrent streaming clients, 1..1024")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load, 1..3600")
     parser.add_argument("--max-tokens", type=int, default=48, help="max_tokens of every request")
     parser.add_argument("--no-kill", dest="kill", action="store_false", help="do not kill the draft service midway")
     parser.add_argument("--output", default="bench-results/load.json", help="where the JSON report goes")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.clients < 1 or args.clients > 1024 or not 1 <= args.duration <= 3600:
         parser.error("clients must lie in 1..1024 and duration in 1..3600 s")

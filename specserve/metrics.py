@@ -1,4 +1,4 @@
-"""Prometheus metrics, named with the words of DESIGN.md. Each process owns its registry
+"""Prometheus metrics, named with the words of docs/design.md. Each process owns its registry
 (no module-level state); the gateway serves it on /metrics, each service on a metrics port.
 
 Counters are exposed with prometheus_client's `_total` suffix, e.g.

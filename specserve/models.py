@@ -14,6 +14,7 @@ import torch
 
 from specserve.backends import Backend, RunnerBackend, TransformersBackend
 from specserve.config import resolve_dtype
+from specserve.paths import TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,15 @@ def check_model_dir(path: str) -> Path:
 
 
 def load_tokenizer(path: str):
+    """The tokenizer of a model directory; a ValueError in one line where it has none (not
+    transformers' guess at a missing package)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(check_model_dir(path)), local_files_only=True)
+    directory = check_model_dir(path)
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer files in {directory} ({', '.join(TOKENIZER_FILES[:2])}, ...): copy the "
+                         "model's tokenizer there")  # fmt: skip
+    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -71,10 +71,14 @@ def write_stubs() -> list[Path]:
         return written
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve gen-protos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only report whether the committed stubs are current")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.check:
         stale = stale_files()
         if stale:

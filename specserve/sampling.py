@@ -2,7 +2,7 @@
 the draft's sparse distribution, and randomness keyed by (seed, position).
 
 Keyed randomness is what makes a seeded request reproducible and batch-independent
-(DESIGN.md, invariant 4): every random number used for sequence position t comes from a
+(docs/design.md, invariant 4): every random number used for sequence position t comes from a
 generator seeded by a hash of (seed, t, stream), never from a shared global stream.
 """
 

@@ -1,7 +1,7 @@
 """How a session speculates: the settings a request asks for, and the choice of each round's
 K (and of whether to draft at all) from what the session measures as it runs.
 
-DESIGN.md's model: a round of K draft tokens costs K draft steps, a verify of K + 1 tokens
+docs/design.md's model: a round of K draft tokens costs K draft steps, a verify of K + 1 tokens
 and the round's overhead (decision, bookkeeping, the wire), and yields E(K) tokens, the
 accepted drafts plus one. Target-only decoding yields one token per target step. KChooser
 picks each round's K, 0 (a target-only round) included, with the most expected tokens per

@@ -213,17 +213,37 @@ def report(spans: list[dict], out_dir: Path) -> str:
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specserve trace", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specserve trace",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--listen", default="127.0.0.1:4317", help="OTLP/gRPC address to receive spans on")
     parser.add_argument("--duration", type=float, default=0, help="seconds to listen (0: until Ctrl-C)")
     parser.add_argument("--input", help="read spans saved by an earlier run instead of listening")
     parser.add_argument("--out", default="bench-results/trace", help="directory for spans.json and the PNGs")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     out_dir = Path(args.out)
     if args.input:
-        spans = json.loads(Path(args.input).read_text())
+        try:
+            spans = json.loads(Path(args.input).read_text())
+        except (OSError, ValueError) as error:
+            print(f"specserve trace: cannot read spans from {args.input}: {error}", file=sys.stderr)
+            return 2
     else:
+        from specserve.ports import busy_port_message
+
+        host, _, port = args.listen.rpartition(":")
+        busy = busy_port_message("specserve trace", host, int(port), "--listen") if port.isdigit() else None
+        if busy:
+            print(busy, file=sys.stderr)
+            return 2
         spans = _listen(args.listen, args.duration)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "spans.json").write_text(json.dumps(spans))

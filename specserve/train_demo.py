@@ -1,7 +1,7 @@
 """Reproducible training recipe for the demo model pair that ``specserve up`` ships.
 
 The pair is a small Python-code *target* and a distilled *draft* that shares its tokenizer
-and is trained to agree with it (high acceptance in speculative decoding, see DESIGN.md).
+and is trained to agree with it (high acceptance in speculative decoding, see docs/design.md).
 
 Run ``python -m specserve.train_demo --stage all`` (the defaults are the real recipe) or
 one stage at a time: ``tokenizer``, ``target``, ``draft``, ``export``, ``eval``.
@@ -968,9 +968,8 @@ FLAG_TYPES = {int: int, float: float, Path: Path, ModelShape: ModelShape.parse}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m specserve.train_demo", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--stage", default="all", choices=("all", "measure") + STAGES)
+    parser = argparse.ArgumentParser(prog="specserve train-demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", default="all", choices=("all", "measure") + STAGES, help="default all")
     parser.add_argument("--smoke", action="store_true", help="tiny run in a temporary directory")
     hints = typing.get_type_hints(TrainDemoConfig)
     for f in dataclasses.fields(TrainDemoConfig):

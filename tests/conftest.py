@@ -80,12 +80,15 @@ def start_stack(
     metrics_ports: tuple[int, int] | None = None,
     log_path: Path | None = None,
     draft_service: bool = False,
+    extra_args: list[str] | None = None,
+    healthy_timeout_s: float = 120,
 ) -> Stack:
     """The stack on free ports, with a draft service of its own where asked; log_path, where
     given, takes what its processes log. metrics_ports: (draft service's, verifier's)."""
     port, draft_port, verify_port = free_port(), free_port(), free_port()
     metrics_ports = metrics_ports or (free_port(), free_port())
     command = up_command(target_dir, draft_dir, port, draft_port, verify_port, metrics_ports, draft_service)
+    command += extra_args or []  # more of `specserve up`'s flags
     # One torch thread per service: three processes share two cores, and tiny models gain
     # nothing from intra-op threads but lose to their spinning.
     env = {
@@ -104,7 +107,7 @@ def start_stack(
         log.close()  # the process holds its own copy
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until_healthy(url, process)
+        wait_until_healthy(url, process, healthy_timeout_s)
     except BaseException:
         stop_process(process)
         raise

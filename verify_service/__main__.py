@@ -10,7 +10,7 @@ import time
 from specserve.batching import Batcher
 from specserve.config import parse_config, pin_to_cpus
 from specserve.drafting import Drafter, DraftOptions
-from specserve.grpc_server import run_service
+from specserve.grpc_server import busy_port, run_service
 from specserve.logs import setup_logging
 from specserve.metrics import ServiceMetrics
 from specserve.models import LoadedModel, load_for_service, load_tokenizer, tokenizer_fingerprint
@@ -75,13 +75,21 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(VerifyConfig, "verify", argv, "specserve verify", "Serve the target model (VerifyService).")
     pin_to_cpus(config.cpus)  # before the service starts its threads; they inherit it
     setup_logging("verify")
+    busy = busy_port(config, "specserve verify")
+    if busy:
+        log.error("%s", busy)
+        return 2
     tracing = setup_tracing("specserve-verify", config.trace_console, config.trace_sample_ratio)
     try:
         check_draft_tokenizer(config)
     except (RefusedDraft, ValueError, OSError) as error:  # a mismatched pair, or no model at the path
         log.error("refusing to start: %s", error)
         return 2
-    loaded = load_for_service(config, compile_steps=config.compile_steps)
+    try:
+        loaded = load_for_service(config, compile_steps=config.compile_steps)
+    except (ValueError, OSError, UnsupportedModel) as error:  # no model, no tokenizer, an architecture not served
+        log.error("refusing to start: %s", str(error).splitlines()[0])
+        return 2
     metrics = ServiceMetrics("verifier")
     try:
         local = colocated_drafting(config, loaded, metrics)
@@ -94,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     servicer = VerifyServicer(batcher, loaded, config, metrics, local.methods)
     start_sweeper(batcher, config.session_ttl_s)
     register = lambda server: verify_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, server)  # noqa: E731
-    run_service(SERVICE_NAME, register, config, batcher, tracing)
+    drafts = list(local.drafter.models.values())
+    ready = lambda: all(m.backend.steps_built for m in drafts)  # noqa: E731 - health waits for the drafts' steps
+    run_service(SERVICE_NAME, register, config, batcher, tracing, ready)
     return 0
 
 

@@ -1,7 +1,7 @@
 """The verifier: scores each session's draft tokens with the target and decides, for all
 sessions of a batch at once, which drafts to keep.
 
-Vocabulary (DESIGN.md, "Words"; Leviathan et al. 2023, https://arxiv.org/abs/2211.17192):
+Vocabulary (docs/design.md, "Words"; Leviathan et al. 2023, https://arxiv.org/abs/2211.17192):
 a *round* is one draft + one verify; the *draft tokens* d_1..d_K are the K proposals, drawn
 from the draft distributions q_i; the target's processed distributions p_1..p_{K+1} come
 from one forward over [last verified token, d_1..d_K]. *Accepted tokens* are the prefix of
