@@ -69,6 +69,8 @@ class Gateway:
     backends: Backends | None = None
     in_flight: int = 0  # requests being generated (touched only on the event loop)
     fatal: BaseException | None = None  # why the gateway could not start
+    stopping: threading.Event = field(default_factory=threading.Event)
+    seen_ready: bool = False  # a verifier has reported SERVING once: "unavailable", not "starting", after
     background: list = field(default_factory=list)  # its start-up and watching tasks
     tokenizer_threads: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
@@ -134,6 +136,7 @@ def create_app(config: GatewayConfig, tokenizer, fingerprint: str, on_fatal=None
         tasks = [asyncio.ensure_future(_start_up(gateway, fingerprint, on_fatal))]
         gateway.background = tasks
         yield
+        gateway.stopping.set()  # ends a start-up's wait for the services (a thread: not cancellable)
         for task in tasks:
             task.cancel()
         await backends.close()
@@ -151,7 +154,8 @@ def create_app(config: GatewayConfig, tokenizer, fingerprint: str, on_fatal=None
         """Ready (200) while a verifier replica serves; the body says which parts are up
         ("starting" until the gateway has its model)."""
         body = await gateway.backends.health()
-        if gateway.served is None:
+        gateway.seen_ready |= gateway.served is not None and body["status"] == "ok"
+        if not gateway.seen_ready:
             body["status"] = "starting"
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
@@ -288,17 +292,21 @@ async def _start_up(gateway: Gateway, fingerprint: str, on_fatal) -> None:
     config, backends = gateway.config, gateway.backends
     security = config.channel_security
     try:
-        target = await asyncio.to_thread(wait_for_model_info, config.verify_address,
-                                         verify_pb2_grpc.VerifyServiceStub, config.startup_timeout_s, security)  # fmt: skip
+        target = await asyncio.to_thread(wait_for_model_info, config.verify_address, verify_pb2_grpc.VerifyServiceStub,
+                                         config.startup_timeout_s, security, gateway.stopping)  # fmt: skip
         draft = None
         if config.draft_address:
             try:
-                draft = await asyncio.to_thread(wait_for_model_info, config.draft_address,
-                                                draft_pb2_grpc.DraftServiceStub, config.draft_startup_wait_s, security)  # fmt: skip
+                draft = await asyncio.to_thread(wait_for_model_info, config.draft_address, draft_pb2_grpc.DraftServiceStub,
+                                                config.draft_startup_wait_s, security, gateway.stopping)  # fmt: skip
             except TimeoutError as error:  # an outage of the drafts is no outage of the service
                 log.warning("%s; serving target-only rounds until the draft service answers", error)
         check_pair(target, draft, fingerprint)
-    except (IncompatibleModels, TimeoutError, ValueError) as error:
+    except Exception as error:  # noqa: BLE001 - a pair not to be served, or anything unforeseen: the gateway stops
+        if gateway.stopping.is_set():
+            return
+        if not isinstance(error, (IncompatibleModels, TimeoutError, ValueError)):
+            log.exception("start-up failed")
         log.error("refusing to start: %s", error)
         gateway.fatal = error
         if on_fatal is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass
 
@@ -46,16 +47,21 @@ def open_channel(address: str, security: tuple = (None, []), aio: bool = False):
     return grpc_module.insecure_channel(address, options=options)
 
 
-def wait_for_model_info(target: str, stub_cls, timeout_s: float, security: tuple = (None, [])) -> common_pb2.ModelInfo:
+def wait_for_model_info(
+    target: str, stub_cls, timeout_s: float, security: tuple = (None, []), stop: threading.Event | None = None
+) -> common_pb2.ModelInfo:
     """Polls a service's GetModelInfo until one of its replicas answers (it may still be
-    loading its model); target as gateway.replicas takes it."""
+    loading its model); target as gateway.replicas takes it. stop, once set, ends the wait
+    within a second (TimeoutError)."""
     addresses, dns_name = split_addresses(target)
     deadline = time.monotonic() + timeout_s
     channels = [open_channel(a, security) for a in addresses or [DNS_SCHEME + dns_name]]
     try:
         stubs = [stub_cls(channel) for channel in channels]
         while True:
-            wait = min(5.0, max(0.1, deadline - time.monotonic())) / len(stubs)
+            if stop is not None and stop.is_set():
+                raise TimeoutError(f"stopped while waiting for {target}")
+            wait = min(1.0, max(0.1, deadline - time.monotonic())) / len(stubs)
             for stub in stubs:
                 try:
                     return stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=wait, wait_for_ready=True)

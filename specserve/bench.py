@@ -376,11 +376,15 @@ def speedup_band(row: Row, baseline: Row, draws: int = 2000) -> tuple[float, flo
     ratios = []
     for _ in range(draws):
         picked = [pairs[rng.randrange(len(pairs))] for _ in pairs]
-        mine = sum(a[0] for a, _ in picked) / sum(a[1] for a, _ in picked)
-        theirs = sum(b[0] for _, b in picked) / sum(b[1] for _, b in picked)
-        ratios.append(mine / theirs)
+        seconds = (sum(a[1] for a, _ in picked), sum(b[1] for _, b in picked))
+        theirs_tokens = sum(b[0] for _, b in picked)
+        if not all(seconds) or not theirs_tokens:
+            continue  # a resample of requests that made nothing
+        ratios.append((sum(a[0] for a, _ in picked) / seconds[0]) / (theirs_tokens / seconds[1]))
+    if len(ratios) < draws // 2:
+        return None
     ratios.sort()
-    return ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]
+    return ratios[int(0.05 * len(ratios))], ratios[int(0.95 * len(ratios)) - 1]
 
 
 def verdicts(records: list[dict]) -> str:
@@ -393,7 +397,7 @@ def verdicts(records: list[dict]) -> str:
         speculative = [r for r in group if r["method"] in SPECULATIVE and r.get("measured_speedup")]
         if not speculative:
             continue
-        best = max(speculative, key=lambda r: r["tokens_per_s"])
+        best = max(speculative, key=lambda r: r["tokens_per_s"])  # the fastest of noisy rows: its band says how sure
         band = best.get("speedup_band")
         line = f"verdict: {workload}, T={temperature}: {best['label']} {best['measured_speedup']:.2f}x target-only"
         if band:
@@ -495,7 +499,7 @@ def plots(records: list[dict], out_dir: Path) -> None:
              ("wire, queues, bookkeeping", lambda m: m["draft_seconds"] + m["verify_seconds"] - m["draft_server_seconds"]
               - m["verify_forward_seconds"] - m["verify_kernel_seconds"])]  # fmt: skip
     # A round of speculation makes several tokens: per token is what a user waits for.
-    per_token = [r["rounds"] / r["completion_tokens"] for r in stack_rows]
+    per_token = [r["rounds"] / max(1, r["completion_tokens"]) for r in stack_rows]
     for ax, scale, title in ((axes[0], [1.0] * len(stack_rows), "ms per round"), (axes[1], per_token, "ms per token")):
         for i, (name, value) in enumerate(parts):
             widths = [value(r["ms_per_round"]) * f for r, f in zip(stack_rows, scale)]

@@ -173,7 +173,11 @@ def _gateway_command(args: argparse.Namespace) -> list[str]:
     draft_address = f"127.0.0.1:{args.draft_port}" if args.draft_service else ""
     defaults = [
         *(["--method", args.method] if args.method else []),
-        *(["--num-speculative-tokens", str(args.num_speculative_tokens)] if args.num_speculative_tokens else []),
+        *(
+            ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+            if args.num_speculative_tokens is not None
+            else []
+        ),
         *([] if args.adaptive is None else ["--adaptive" if args.adaptive else "--no-adaptive"]),
         *([] if args.pipeline is None else ["--pipeline" if args.pipeline else "--no-pipeline"]),
     ]
@@ -229,8 +233,8 @@ def up(args: argparse.Namespace) -> int:
 
     # The parts run in sessions of their own: a Ctrl-C reaches this supervisor only, which
     # stops them (SIGTERM: each drains and leaves quietly) and says so in one line.
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
+        signal.signal(signum, request_stop)
     commands = _service_commands(args)
     processes = {name: _start(command) for name, command in commands.items()}
     try:
@@ -252,7 +256,17 @@ def up(args: argparse.Namespace) -> int:
 
 
 def _start(command: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(command, start_new_session=True)
+    """A part in a session of its own, which Linux stops (SIGTERM) should this supervisor die
+    without stopping it (SIGKILL, the OOM killer)."""
+    return subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1  # noqa: N806 - prctl's name
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _busy_port(args: argparse.Namespace) -> str | None:
@@ -267,6 +281,8 @@ def _busy_port(args: argparse.Namespace) -> str | None:
                   ("127.0.0.1", args.draft_metrics_port, "--draft-metrics-port")]  # fmt: skip
     seen: dict[int, str] = {}
     for host, port, flag in ports:
+        if not port:  # 0: none (a metrics port)
+            continue
         if port in seen:
             return f"specserve up: port {port} is given twice ({seen[port]} and {flag}); pick another {flag}"
         seen[port] = flag
@@ -338,7 +354,11 @@ def _stop_all(processes: dict[str, subprocess.Popen]) -> None:
         try:
             process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            process.kill()
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # its session: a part's own children too
+            except ProcessLookupError:
+                pass
+            process.wait()
 
 
 def _print_welcome(url: str) -> None:

@@ -211,7 +211,7 @@ def serve_until_signalled(
     if bound == 0:
         raise SystemExit(f"could not listen on {address}")
     server.start()
-    stopped = threading.Event()
+    stopped, draining, health_lock = threading.Event(), threading.Event(), threading.Lock()
     if ready is None or ready():
         set_serving(servicer, service_names, True)
         log.info("serving %s on %s", ", ".join(service_names), address)
@@ -220,17 +220,20 @@ def serve_until_signalled(
         log.info("serving %s on %s; ready once the drafts' steps are compiled", ", ".join(service_names), address)
 
         def report_ready() -> None:
-            while not stopped.is_set() and not ready():
+            while not draining.is_set() and not ready():
                 time.sleep(0.2)
-            if not stopped.is_set():
-                set_serving(servicer, service_names, True)
-                log.info("ready")
+            with health_lock:
+                if not draining.is_set():
+                    set_serving(servicer, service_names, True)
+                    log.info("ready")
 
         threading.Thread(target=report_ready, name="report-ready", daemon=True).start()
 
     def shut_down() -> None:
         log.info("shutting down (grace %.0f s)", grace_s)
-        set_serving(servicer, service_names, False)
+        with health_lock:
+            draining.set()  # a compile that ends now must not report SERVING again
+            set_serving(servicer, service_names, False)
         server.stop(grace_s).wait()
         if on_stopped is not None:
             on_stopped()

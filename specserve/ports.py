@@ -3,6 +3,7 @@ line at once, not a traceback after the models have loaded."""
 
 from __future__ import annotations
 
+import errno
 import socket
 import sys
 
@@ -11,6 +12,7 @@ def in_use(host: str, port: int) -> bool:
     """Whether something listens on host:port (bound as the servers bind: SO_REUSEADDR, so a
     connection of a stopped server still in TIME_WAIT does not count)."""
     try:
+        host = host.strip("[]")  # an IPv6 address as URLs write it
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror:
         return False  # the server reports the address itself
@@ -19,8 +21,8 @@ def in_use(host: str, port: int) -> bool:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(address)
-        except OSError:
-            return True
+        except OSError as error:
+            return error.errno == errno.EADDRINUSE  # others (no such address, a privileged port): the server says
     return False
 
 

@@ -44,19 +44,25 @@ def parser_of(subcommand: str) -> argparse.ArgumentParser | None:
 
 
 def documented_commands() -> list[tuple[str, str]]:
-    """(where, command) for every `specserve SUBCOMMAND ...` in a code block or inline code."""
+    """(where, command) for every `specserve SUBCOMMAND ...` in a fenced code block (any
+    language), an indented one, or inline code; environment assignments before it dropped."""
     found = []
     for path in DOCS:
         text = path.read_text()
-        blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S)
-        lines = []
-        for block in blocks:
-            lines += block.replace("\\\n", " ").splitlines()
-        lines += [" ".join(c.split()) for c in re.findall(r"`(specserve [^`]+)`", text)]
-        for line in lines:
-            line = line.split(" #")[0].strip().rstrip("&").strip()
-            for command in re.findall(r"(?:^|&&\s*)(specserve [^&|;]+)", line):
-                found.append((path.name, command.strip()))
+        code, fenced = [], False
+        for line in text.replace("\\\n", " ").splitlines():
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif fenced or line.startswith("    "):
+                code.append(line)
+        code += [" ".join(c.split()) for c in re.findall(r"`((?:[A-Z_][A-Z0-9_]*=\S+\s+)*specserve [^`]+)`", text)]
+        for line in code:
+            for part in re.split(r"&&|;|\|", line.split(" #")[0]):
+                words = part.strip().rstrip("&").split()
+                while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
+                    words.pop(0)
+                if len(words) > 1 and words[0] == "specserve":
+                    found.append((path.name, " ".join(words)))
     return sorted(set(found))
 
 
