@@ -227,6 +227,7 @@ class _Session:
         self.drafter = DraftStream(backends, session_id, plan.method, plan.min_draft_probability) if remote else None
         self.chooser = KChooser(plan.speculation, backends.shared) if remote else None
         self.drafted_rounds = 0
+        self.last_k = 0  # the K of the round before
         self.k = 0  # the next remote round's K
         self.stretch = TARGET_ONLY_STRETCH[0]
         self.prefetched: draft_pb2.DraftResponse | None = None
@@ -257,8 +258,12 @@ class _Session:
         K chooser."""
         if self.chooser is not None:
             verify = round_.verify_forward_seconds + round_.verify_kernel_seconds
-            draft = round_.draft_server_seconds if self.drafted_rounds else None  # the first reads the prompt
+            # The first drafting reads the prompt, the first after target-only rounds what they
+            # made: no round's usual cost (verify_service.local_drafts.SessionDrafts.observe).
+            usual = self.drafted_rounds and self.last_k > 0
+            draft = round_.draft_server_seconds if usual else None
             self.drafted_rounds += round_.k > 0
+            self.last_k = round_.k
             self.chooser.observe(round_.k, round_.num_accepted, draft, verify, round_.seconds)
 
     async def decode(

@@ -128,3 +128,21 @@ def test_bad_speculation_settings_are_invalid(fields):
 def test_speculation_travels_in_its_message():
     sent = Speculation("ngram", 6, adaptive=True, k_bounds=(1, 9), min_draft_probability=0.25)
     assert Speculation.from_proto(sent.to_proto()) == sent
+
+
+def test_a_drafting_that_reads_more_than_a_round_made_is_not_counted_as_a_rounds_cost():
+    """The first drafting reads the prompt and the first after target-only rounds reads what
+    they made: neither is what a round's drafting costs (counted, target-only stretches fed
+    themselves: dear drafts, longer stretches, longer catch-ups)."""
+    from types import SimpleNamespace
+
+    from verify_service.local_drafts import SessionDrafts
+
+    seen = []
+    chooser = SimpleNamespace(observe=lambda k, accepted, draft_s, verify_s, round_s: seen.append(draft_s))
+    drafts = SessionDrafts(speculation=None, draft=None, chooser=chooser)
+    for k in (4, 4, 0, 0, 4, 4):
+        outcome = SimpleNamespace(decided_ns=2, batch_started_ns=1, draft_seconds=5e-4 if k else 0.0,
+                                  num_draft_tokens=k, num_accepted=0)  # fmt: skip
+        drafts.observe(outcome, 1e-3)
+    assert seen == [None, 5e-4, 0.0, None, None, 5e-4]

@@ -30,13 +30,19 @@ class SessionDrafts:
     draft: DraftSession
     chooser: KChooser
     drafted_rounds: int = 0
+    last_k: int = 0  # the K of the round before
 
     def observe(self, outcome, round_s: float) -> None:
-        """Feeds a round's Outcome to the chooser: its drafting (not the first's, which reads
-        the prompt), its verify (forward and decision) and all it took (round_s)."""
+        """Feeds a round's Outcome to the chooser: its drafting, its verify (forward and
+        decision) and all it took (round_s). A drafting that fed the draft more than a round's
+        tokens is no round's usual cost and is left out: the first (it reads the prompt), and
+        the first after target-only rounds (it reads what they made; counted, it made drafts
+        look dear, which made the target-only stretches, and so the next catch-up, longer)."""
         verify_s = (outcome.decided_ns - outcome.batch_started_ns) / 1e9
-        draft_s = outcome.draft_seconds if self.drafted_rounds else None
+        usual = self.drafted_rounds and self.last_k > 0
+        draft_s = outcome.draft_seconds if usual else None
         self.drafted_rounds += outcome.num_draft_tokens > 0
+        self.last_k = outcome.num_draft_tokens
         self.chooser.observe(outcome.num_draft_tokens, outcome.num_accepted, draft_s, verify_s, round_s)
 
 
