@@ -215,34 +215,33 @@ class Guard:
         except Exception as error:  # noqa: BLE001 - the last resort: no request takes the gateway down
             log.exception("request %s failed unexpectedly: %s %s", request_id, scope["method"], scope["path"])
             if not started:
-                body = ApiError(500, f"internal error; request id {request_id}", code="internal_error").body()
-                await JSONResponse(body, status_code=500)(scope, receive, send_with_id)
+                internal = ApiError(500, f"internal error; request id {request_id}", code="internal_error")
+                await _error_response(internal)(scope, receive, send_with_id)
             elif not isinstance(error, OSError):
                 raise
 
     async def _guarded(self, scope, receive, send):
         if self.keys and scope["path"] not in OPEN_PATHS and not self._authorised(scope):
             error = ApiError(401, "a valid API key is required: 'Authorization: Bearer KEY'", code="invalid_api_key")
-            reply = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
-            return await reply(scope, receive, send)
+            return await _error_response(error, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
         if self.gateway.served is None and scope["path"] not in OPEN_PATHS:
             error = ApiError(503, "the gateway is starting: its verify service has not answered yet", code="starting")
-            return await JSONResponse(error.body(), status_code=503, headers={"Retry-After": "2"})(scope, receive, send)
+            return await _error_response(error, {"Retry-After": "2"})(scope, receive, send)
         if not (scope["method"] == "POST" and scope["path"].startswith("/v1/")):
             return await self.app(scope, receive, send)
         limit = self.gateway.config.max_body_bytes
         too_large = ApiError(413, f"request bodies are limited to {limit} bytes", code="too_large")
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
-            return await JSONResponse(too_large.body(), status_code=413)(scope, receive, send)
+            return await _error_response(too_large)(scope, receive, send)
         if self.gateway.in_flight >= self.gateway.config.max_concurrent_requests:
             error = ApiError(429, "the server is at capacity; retry shortly", code="too_many_requests")
-            return await JSONResponse(error.body(), status_code=429, headers={"Retry-After": "1"})(scope, receive, send)
+            return await _error_response(error, {"Retry-After": "1"})(scope, receive, send)
         self.gateway.in_flight += 1
         try:
             body = await _read_body(receive, limit)
             if body is None:
-                return await JSONResponse(too_large.body(), status_code=413)(scope, receive, send)
+                return await _error_response(too_large)(scope, receive, send)
             await self.app(scope, _replay(body, receive), send)
         finally:
             self.gateway.in_flight -= 1
@@ -350,29 +349,32 @@ async def _watch_draft_service(gateway: Gateway, target: ModelInfo) -> None:
         await asyncio.sleep(1.0)
 
 
+def _error_response(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error in OpenAI's shape, with its status."""
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
-        return JSONResponse(error.body(), status_code=error.status)
+        return _error_response(error)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
         first = error.errors()[0] if error.errors() else {}
         location = [str(part) for part in first.get("loc", ()) if part != "body"]
         message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
-        return JSONResponse(bad_request(message, ".".join(location) or None).body(), status_code=400)
+        return _error_response(bad_request(message, ".".join(location) or None))
 
     @app.exception_handler(NoReplica)
     async def no_replica(request: Request, error: NoReplica):
-        body = ApiError(503, str(error), code="unavailable").body()
-        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+        return _error_response(ApiError(503, str(error), code="unavailable"), {"Retry-After": "1"})
 
     @app.exception_handler(grpc.aio.AioRpcError)
     async def backend_error(request: Request, error: grpc.aio.AioRpcError):
         status = _GRPC_TO_HTTP.get(error.code(), 500)
         headers = {"Retry-After": "1"} if status in (429, 503) else None
-        body = ApiError(status, f"backend: {error.details()}", code=error.code().name.lower()).body()
-        return JSONResponse(body, status_code=status, headers=headers)
+        return _error_response(ApiError(status, f"backend: {error.details()}", code=error.code().name.lower()), headers)
 
 
 class _Response:

@@ -205,10 +205,16 @@ async def _close_detached(backends: Backends, session: _Session) -> None:
     """Closes both sessions even when the request is being cancelled (its client went away):
     the release runs as a task of its own, which the cancellation does not reach, held in
     backends.detached until it is done."""
-    task = asyncio.ensure_future(session.close())
+    await asyncio.shield(_detach(backends, session.close()))
+
+
+def _detach(backends: Backends, work) -> asyncio.Task:
+    """work as a task of its own, out of reach of the request's cancellation, held in
+    backends.detached until it is done."""
+    task = asyncio.ensure_future(work)
     backends.detached.add(task)
     task.add_done_callback(backends.detached.discard)
-    await asyncio.shield(task)
+    return task
 
 
 class _Session:
@@ -288,9 +294,7 @@ class _Session:
                         yield round_
                 return  # the stream ended: all made, an end-of-sequence token, or the context is full
             except (grpc.aio.AioRpcError, TimeoutError, NoReplica) as error:
-                code = _code(error)
-                if _left(self) and code == grpc.StatusCode.CANCELLED:
-                    code = grpc.StatusCode.UNAVAILABLE  # its replica left the name: the call ended with it
+                code = _code(self, error)
                 if code not in (grpc.StatusCode.FAILED_PRECONDITION, *_RETRIED):
                     raise
                 log.warning("decode stream broken (%s); prefilling again", _describe(error))
@@ -433,9 +437,7 @@ async def _call_verifier(session: _Session, method: str, request):
             return await _traced_call(replica.stub, method, request, timeout=backends.rpc_timeout_s,
                                       wait_for_ready=len(backends.verifiers) == 1)  # fmt: skip
         except (grpc.aio.AioRpcError, NoReplica) as error:
-            code = _code(error)
-            if _left(session) and code == grpc.StatusCode.CANCELLED:
-                code = grpc.StatusCode.UNAVAILABLE  # its replica left the name: the call ended with it
+            code = _code(session, error)
             if code not in _RETRIED or time.monotonic() + pause > deadline:
                 raise
             if _move(session):
@@ -445,15 +447,18 @@ async def _call_verifier(session: _Session, method: str, request):
         pause = min(pause * 2, 2.0)
 
 
-def _code(error: BaseException) -> grpc.StatusCode:
-    if isinstance(error, grpc.aio.AioRpcError):
-        return error.code()
-    return grpc.StatusCode.UNAVAILABLE if isinstance(error, NoReplica) else grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-def _left(session: _Session) -> bool:
-    """Whether the session's replica has left its service's name (its channel closes)."""
-    return session.route.replica is not None and session.route.replica.gone
+def _code(session: _Session, error: BaseException) -> grpc.StatusCode:
+    """A failed verifier call's status as the retries read it: no replica known is
+    UNAVAILABLE, a timeout DEADLINE_EXCEEDED, and a call cancelled because its replica left
+    the name (its channel closed) UNAVAILABLE."""
+    if isinstance(error, NoReplica):
+        return grpc.StatusCode.UNAVAILABLE
+    if not isinstance(error, grpc.aio.AioRpcError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    replica = session.route.replica
+    if error.code() == grpc.StatusCode.CANCELLED and replica is not None and replica.gone:
+        return grpc.StatusCode.UNAVAILABLE
+    return error.code()
 
 
 def _move(session: _Session) -> bool:
@@ -467,9 +472,7 @@ def _move(session: _Session) -> bool:
     if left is None:
         return False
     if not left.gone:
-        task = asyncio.ensure_future(_release_on(left, session.id))
-        backends.detached.add(task)
-        task.add_done_callback(backends.detached.discard)
+        _detach(backends, _release_on(left, session.id))
     return True
 
 

@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from specserve.paths import DEMO_DRAFT, DEMO_TARGET, TOKENIZER_FILES
+from specserve.paths import DEMO_DRAFT, DEMO_TARGET, missing_tokenizer
 
 SERVICE_MODULES = {"draft": "draft_service", "verify": "verify_service", "gateway": "gateway"}
 
@@ -222,9 +222,9 @@ def up(args: argparse.Namespace) -> int:
         if not (Path(path) / "config.json").is_file():
             print(f"specserve: no {role} model at {path} (no config.json); pass --{role} DIR", file=sys.stderr)
             return 2
-        if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
-            print(f"specserve: the {role} model at {path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, "
-                  "...): copy the model's tokenizer there", file=sys.stderr)  # fmt: skip
+        missing = missing_tokenizer(path)
+        if missing:
+            print(f"specserve: the {role} model at {path} has {missing}", file=sys.stderr)
             return 2
     stopping = {"signal": None}
 
@@ -272,24 +272,14 @@ def _die_with_parent() -> None:
 def _busy_port(args: argparse.Namespace) -> str | None:
     """One line naming the first port (and its flag) that is taken or given twice, before
     anything loads; None when all are free."""
-    from specserve.ports import busy_port_message
+    from specserve.ports import first_busy_port
 
     ports = [(args.host, args.port, "--port"), ("127.0.0.1", args.verify_port, "--verify-port"),
              ("127.0.0.1", args.verify_metrics_port, "--verify-metrics-port")]  # fmt: skip
     if args.draft_service:
         ports += [("127.0.0.1", args.draft_port, "--draft-port"),
                   ("127.0.0.1", args.draft_metrics_port, "--draft-metrics-port")]  # fmt: skip
-    seen: dict[int, str] = {}
-    for host, port, flag in ports:
-        if not port:  # 0: none (a metrics port)
-            continue
-        if port in seen:
-            return f"specserve up: port {port} is given twice ({seen[port]} and {flag}); pick another {flag}"
-        seen[port] = flag
-        message = busy_port_message("specserve up", host, port, flag)
-        if message:
-            return message
-    return None
+    return first_busy_port("specserve up", ports)
 
 
 def _supervise(commands: dict[str, list[str]], processes: dict[str, subprocess.Popen], stopping: dict) -> None:

@@ -144,10 +144,11 @@ def _guard_stream(behavior: Callable, method: str, traced: bool = False) -> Call
 # Clients behind a headless Service re-resolve DNS only when a connection ends: closing
 # connections after 10 minutes (with 10 more for the streams on them to finish) lets new
 # replicas take load. A draft stream that still outlives that costs one target-only round.
+# One server per port: with gRPC's default SO_REUSEPORT a second service started on the same
+# port would listen beside the first, and calls would land on either.
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
 SERVER_OPTIONS = [
-    # One server per port: with gRPC's default SO_REUSEPORT a second service started on the
-    # same port would listen beside the first, and calls would land on either.
-    ("grpc.so_reuseport", 0),
+    EXCLUSIVE_PORT,
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_connection_age_ms", 600_000),
@@ -169,7 +170,7 @@ def start_health_port(servicer: health.HealthServicer, host: str, port: int) -> 
     if not port:
         return None
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"), options=[("grpc.so_reuseport", 0)]
+        futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"), options=[EXCLUSIVE_PORT]
     )
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     if server.add_insecure_port(f"{host}:{port}") == 0:
@@ -254,14 +255,10 @@ def serve_until_signalled(
 def busy_port(config, program: str) -> str | None:
     """One line naming a port of a service's config (its gRPC, metrics or health port) that
     is taken, checked before the model loads; None when all are free."""
-    from specserve.ports import busy_port_message
+    from specserve.ports import first_busy_port
 
-    for port, flag in ((config.port, "--port"), (config.metrics_port, "--metrics-port"),
-                       (config.health_port, "--health-port")):  # fmt: skip
-        message = busy_port_message(program, config.host, port, flag)
-        if message:
-            return message
-    return None
+    flags = ((config.port, "--port"), (config.metrics_port, "--metrics-port"), (config.health_port, "--health-port"))
+    return first_busy_port(program, [(config.host, port, flag) for port, flag in flags])
 
 
 def run_service(

@@ -14,7 +14,7 @@ import torch
 
 from specserve.backends import Backend, RunnerBackend, TransformersBackend
 from specserve.config import resolve_dtype
-from specserve.paths import TOKENIZER_FILES
+from specserve.paths import missing_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +46,9 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     directory = check_model_dir(path)
-    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"no tokenizer files in {directory} ({', '.join(TOKENIZER_FILES[:2])}, ...): copy the "
-                         "model's tokenizer there")  # fmt: skip
+    missing = missing_tokenizer(directory)
+    if missing:
+        raise ValueError(f"{directory} has {missing}")
     return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 
 

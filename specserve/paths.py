@@ -11,3 +11,10 @@ DEMO_DRAFT = DEMO_MODELS / "draft"
 
 # Files of which a model directory holds at least one where it has a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
+def missing_tokenizer(directory) -> str | None:
+    """Why directory holds no tokenizer, in words to end a sentence with; None where it has one."""
+    if any((Path(directory) / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return f"no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): copy the model's tokenizer there"

@@ -33,6 +33,22 @@ def busy_port_message(program: str, host: str, port: int, flag: str) -> str | No
     return None
 
 
+def first_busy_port(program: str, ports: list[tuple[str, int, str]]) -> str | None:
+    """The one line for the first of ports ((host, port, flag), port 0 being none) that is
+    given twice or taken; None where all are free."""
+    seen: dict[int, str] = {}
+    for host, port, flag in ports:
+        if not port:
+            continue
+        if port in seen:
+            return f"{program}: port {port} is given twice ({seen[port]} and {flag}); pick another {flag}"
+        seen[port] = flag
+        message = busy_port_message(program, host, port, flag)
+        if message:
+            return message
+    return None
+
+
 def gateway_url(url: str, program: str) -> str | None:
     """A gateway's base URL as the tools use it (a trailing / or /v1 dropped: the tools add
     /v1/...), once something answers HTTP there; None, after one line that says so, where
