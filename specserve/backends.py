@@ -58,6 +58,11 @@ class Backend(Protocol):
 
     def forward(self, rows: list[ForwardRow]) -> list[torch.Tensor]: ...
 
+    def forward_with_argmax(self, rows: list[ForwardRow]) -> list[tuple[torch.Tensor, list[int] | None]]:
+        """forward(), each row's logits with their argmax where the backend made it with
+        them (None otherwise: the caller reduces the logits itself)."""
+        ...
+
     def forward_last(self, rows: list[ForwardRow]) -> tuple[torch.Tensor, list[int]]:
         """The logits [batch, vocab] float32 of each row's last token, and their argmax."""
         ...
@@ -104,7 +109,10 @@ class RunnerBackend:
             sequence.slot = -1
 
     def forward(self, rows: list[ForwardRow]) -> list[torch.Tensor]:
-        logits = self.runner.forward(
+        return [logits for logits, _ in self.forward_with_argmax(rows)]
+
+    def forward_with_argmax(self, rows: list[ForwardRow]) -> list[tuple[torch.Tensor, list[int] | None]]:
+        logits, argmax = self.runner.forward_with_argmax(
             [row.sequence.slot for row in rows],
             [row.sequence.length for row in rows],
             [row.tokens for row in rows],
@@ -112,7 +120,7 @@ class RunnerBackend:
         )
         for row in rows:
             row.sequence.length += len(row.tokens)
-        return logits
+        return list(zip(logits, argmax))
 
     def forward_last(self, rows: list[ForwardRow]) -> tuple[torch.Tensor, list[int]]:
         logits, argmax = self.runner.forward_last(
@@ -174,6 +182,9 @@ class TransformersBackend:
             out.append(logits[-row.num_logits :].float())
         return out
 
+    def forward_with_argmax(self, rows: list[ForwardRow]) -> list[tuple[torch.Tensor, list[int] | None]]:
+        return [(logits, None) for logits in self.forward(rows)]
+
     def forward_last(self, rows: list[ForwardRow]) -> tuple[torch.Tensor, list[int]]:
         logits = torch.cat([x[-1:] for x in self.forward(rows)])
         return logits, logits.argmax(-1).tolist()
@@ -182,10 +193,13 @@ class TransformersBackend:
         return None
 
 
-def forward_in_budget(backend: Backend, rows: list[ForwardRow], max_batched_tokens: int) -> list[torch.Tensor]:
+def forward_in_budget(
+    backend: Backend, rows: list[ForwardRow], max_batched_tokens: int
+) -> list[tuple[torch.Tensor, list[int] | None]]:
     """Runs rows in as few forwards as keep each under max_batched_tokens; a row longer than
-    the budget (a long prompt) is prefilled alone in chunks."""
-    results: list[torch.Tensor | None] = [None] * len(rows)
+    the budget (a long prompt) is prefilled alone in chunks. Per row, its logits and their
+    argmax where the backend made it (Backend.forward_with_argmax)."""
+    results: list = [None] * len(rows)
     group: list[int] = []
     group_tokens = 0
     for index, row in enumerate(rows):
@@ -199,16 +213,16 @@ def forward_in_budget(backend: Backend, rows: list[ForwardRow], max_batched_toke
         group_tokens += len(row.tokens)
     if group:
         _run_group(backend, rows, group, results)
-    return results  # type: ignore[return-value]
+    return results
 
 
 def _run_group(backend: Backend, rows: list[ForwardRow], group: list[int], results: list) -> None:
-    for index, logits in zip(group, backend.forward([rows[i] for i in group])):
-        results[index] = logits
+    for index, result in zip(group, backend.forward_with_argmax([rows[i] for i in group])):
+        results[index] = result
 
 
-def _chunked(backend: Backend, row: ForwardRow, chunk: int) -> torch.Tensor:
+def _chunked(backend: Backend, row: ForwardRow, chunk: int) -> tuple[torch.Tensor, list[int] | None]:
     for start in range(0, len(row.tokens) - chunk, chunk):
         backend.forward([ForwardRow(row.sequence, row.tokens[start : start + chunk], 1)])
     tail = row.tokens[(len(row.tokens) - 1) // chunk * chunk :]
-    return backend.forward([ForwardRow(row.sequence, tail, min(row.num_logits, len(tail)))])[0]
+    return backend.forward_with_argmax([ForwardRow(row.sequence, tail, min(row.num_logits, len(tail)))])[0]

@@ -263,7 +263,7 @@ class Drafter:
         if all(len(row.tokens) <= CATCH_UP_STEP_TOKENS for row in rows):
             logits, argmax = backend.forward_last(rows)
             return list(logits), argmax
-        logits = [x[-1] for x in forward_in_budget(backend, rows, self.options.max_batched_tokens)]
+        logits = [x[-1] for x, _ in forward_in_budget(backend, rows, self.options.max_batched_tokens)]
         return logits, [int(x.argmax()) for x in logits]
 
     def _draw_into(self, d: _Drafting, logits: torch.Tensor, argmax: int, i: int) -> None:

@@ -446,13 +446,21 @@ class LlamaRunner:
     ) -> list[torch.Tensor]:
         """Row b appends tokens[b] to slot slots[b] at positions starts[b]..; returns per row the
         logits of its last num_logits[b] tokens: [num_logits[b], vocab] float32."""
+        return self.forward_with_argmax(slots, starts, tokens, num_logits)[0]
+
+    def forward_with_argmax(
+        self, slots: list[int], starts: list[int], tokens: list[list[int]], num_logits: list[int]
+    ) -> tuple[list[torch.Tensor], list[list[int] | None]]:
+        """forward(), and per row the argmax of each of its logits where the compiled steps
+        made it with them (None where the row ran eager): a greedy decision then needs no
+        reduction over the vocabulary of its own."""
         counts = [len(t) for t in tokens]
         assert all(n > 0 for n in counts), "every row appends at least one token"
         assert all(s + n <= self.max_len for s, n in zip(starts, counts)), "a row runs past its cache slot"
         steps = self.compiled_steps
         if steps is not None and steps.ready:
             return self._forward_as_token_rows(slots, starts, tokens, num_logits)
-        return self.forward_eager(slots, starts, tokens, num_logits)
+        return self.forward_eager(slots, starts, tokens, num_logits), [None] * len(tokens)
 
     @torch.inference_mode()
     def forward_last(
@@ -477,13 +485,14 @@ class LlamaRunner:
     @torch.inference_mode()
     def _forward_as_token_rows(
         self, slots: list[int], starts: list[int], tokens: list[list[int]], num_logits: list[int]
-    ) -> list[torch.Tensor]:
+    ) -> tuple[list[torch.Tensor], list[list[int] | None]]:
         """forward() with compiled steps: every token of the rows of at most
         EXACT_MAX_QUERIES tokens (decodes, verifies, a draft's steps and catch-ups, short
         prompts) is a row of one compiled step, in which each token attends to its own slot's
         keys up to its own position, so a target's results do not depend on K or on the
         batch; longer rows (prefills) run eager."""
         out: list[torch.Tensor] = [None] * len(tokens)  # type: ignore[list-item]
+        best: list[list[int] | None] = [None] * len(tokens)
         short = [b for b, t in enumerate(tokens) if len(t) <= EXACT_MAX_QUERIES]
         long = [b for b, t in enumerate(tokens) if len(t) > EXACT_MAX_QUERIES]
         if long:
@@ -493,12 +502,13 @@ class LlamaRunner:
         if short:
             token_slots = [slots[b] for b in short for _ in tokens[b]]
             positions = [starts[b] + i for b in short for i in range(len(tokens[b]))]
-            logits = self.compiled_steps.step(token_slots, positions, [t for b in short for t in tokens[b]])
-            end = 0
+            logits, argmax = self.compiled_steps.step_with_argmax(token_slots, positions,
+                                                                  [t for b in short for t in tokens[b]])  # fmt: skip
+            argmax, end = argmax.tolist(), 0
             for b in short:
                 end += len(tokens[b])
-                out[b] = logits[end - num_logits[b] : end]
-        return out
+                out[b], best[b] = logits[end - num_logits[b] : end], argmax[end - num_logits[b] : end]
+        return out, best
 
     @torch.inference_mode()
     def forward_eager(

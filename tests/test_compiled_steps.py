@@ -60,8 +60,8 @@ def check_against_eager(runner: LlamaRunner, eager: LlamaRunner, monkeypatch) ->
     # Logits leave 16-bit (or int8) matrices in 16 bits: a few units in their last place apart.
     tolerance = 1e-4 if runner.matmul_dtype == torch.float32 and not runner.draft_matmul else 5e-2
     stepped = []
-    step = runner.compiled_steps.step
-    monkeypatch.setattr(runner.compiled_steps, "step", lambda *args: stepped.append(args[0]) or step(*args))
+    step = runner.compiled_steps.step_with_argmax
+    monkeypatch.setattr(runner.compiled_steps, "step_with_argmax", lambda *args: stepped.append(args[0]) or step(*args))
 
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (n,), generator=generator).tolist() for n in (5, 70, 131)]
@@ -84,8 +84,10 @@ def check_against_eager(runner: LlamaRunner, eager: LlamaRunner, monkeypatch) ->
     tokens = {id(r): [[0], [0], [0]] for r in (runner, eager)}
     for _ in range(12):
         for r, s in zip((runner, eager), slots):
-            logits = r.forward(s, starts, tokens[id(r)], [1, 1, 1])
+            logits, argmax = r.forward_with_argmax(s, starts, tokens[id(r)], [1, 1, 1])
             tokens[id(r)] = [[int(row[-1].argmax())] for row in logits]
+            # The compiled steps' own argmax (the greedy decision reads it): the logits' own.
+            assert argmax == ([[t] for [t] in tokens[id(r)]] if r is runner else [None, None, None])
         assert tokens[id(runner)] == tokens[id(eager)]
         starts = [n + 1 for n in starts]
     assert len(stepped) == 1 + 1 + 1 + 1 + 12  # every forward above: the prefill's 5-token row too

@@ -146,6 +146,7 @@ class _Row:
     is_new: bool  # a prefill that opened a new KV sequence
     is_prefill: bool
     logits: torch.Tensor | None = None  # [num_draft + 1, vocab] float32
+    argmax: list[int] | None = None  # of each of the logits, where the forward made it with them
     batch_size: int = field(default=1)
     drafted_locally: bool = False  # a speculative decode's round with drafts, the verifier's own
 
@@ -386,8 +387,9 @@ class Verifier:
 
     def _forward(self, rows: list[_Row]) -> None:
         forward_rows = [ForwardRow(row.session.sequence, row.feed, len(row.drafts) + 1) for row in rows]
-        for row, logits in zip(rows, forward_in_budget(self.backend, forward_rows, self.config.max_batched_tokens)):
-            row.logits = logits
+        results = forward_in_budget(self.backend, forward_rows, self.config.max_batched_tokens)
+        for row, (logits, argmax) in zip(rows, results):
+            row.logits, row.argmax = logits, argmax
 
     def _check_drafts(self, job: VerifyJob, sampling: SamplingParams) -> None:
         k = len(job.draft_token_ids)
@@ -424,14 +426,17 @@ class Verifier:
 
     def _decide_greedy(self, rows: list[_Row]) -> list[tuple[int, int]]:
         """Accept while d_i == argmax p_i; the next token is the argmax after the last one
-        kept. On CUDA the Triton kernel decides the batch on the device; elsewhere one argmax
-        over every row's logits and a walk in Python take microseconds, where padding the rows
-        for the reference kernel took a few hundred."""
+        kept. On CUDA the Triton kernel decides the batch on the device; elsewhere a walk in
+        Python over the argmax the compiled forward made (or one argmax over every row's
+        logits) does, where padding the rows for the reference kernel cost far more."""
         if rows[0].logits.is_cuda and any(row.drafts for row in rows):
             logits, drafts, num_draft = self._pad_rows(rows, [row.logits for row in rows])
             return _unpack(*greedy_verify(logits, drafts, num_draft))
-        logits = rows[0].logits if len(rows) == 1 else torch.cat([row.logits for row in rows])
-        argmax = logits.argmax(-1).tolist()  # [sum of K + 1]
+        if all(row.argmax is not None for row in rows):  # made by the compiled forward
+            argmax = [token for row in rows for token in row.argmax]
+        else:
+            logits = rows[0].logits if len(rows) == 1 else torch.cat([row.logits for row in rows])
+            argmax = logits.argmax(-1).tolist()  # [sum of K + 1]
         decisions, end = [], 0
         for row in rows:
             best, end = argmax[end : end + len(row.drafts) + 1], end + len(row.drafts) + 1
