@@ -7,15 +7,15 @@ import sys
 
 from draft_service.config import DraftConfig
 from draft_service.servicer import SERVICE_NAME, DraftServicer
-from specserve.batching import Batcher
 from specserve.config import parse_config, pin_to_cpus
 from specserve.drafting import Drafter, DraftOptions
-from specserve.grpc_server import busy_port, run_service
-from specserve.logs import setup_logging
-from specserve.metrics import ServiceMetrics
-from specserve.models import load_for_service
-from specserve.runner import UnsupportedModel
-from specserve.telemetry import setup_tracing
+from specserve.model.loading import load_for_service
+from specserve.model.runner import UnsupportedModel
+from specserve.serving.batching import Batcher
+from specserve.serving.grpc_server import busy_port, run_service
+from specserve.serving.logs import setup_logging
+from specserve.serving.metrics import ServiceMetrics
+from specserve.serving.telemetry import setup_tracing
 from specserve.v1 import draft_pb2_grpc
 
 log = logging.getLogger("draft_service")

@@ -8,13 +8,13 @@ from collections.abc import Iterator
 from opentelemetry.trace import SpanKind
 
 from draft_service.config import DraftConfig
-from specserve.batching import Batcher
 from specserve.drafting import Drafter, DraftJob, Proposal
-from specserve.metrics import ServiceMetrics
-from specserve.models import LoadedModel
+from specserve.model.loading import LoadedModel
 from specserve.protocol import model_info
 from specserve.sampling import SamplingParams
-from specserve.telemetry import record_span, span
+from specserve.serving.batching import Batcher
+from specserve.serving.metrics import ServiceMetrics
+from specserve.serving.telemetry import record_span, span
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name

@@ -10,10 +10,10 @@ import uvicorn
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from specserve.config import parse_config
-from specserve.logs import setup_logging
-from specserve.models import load_tokenizer, tokenizer_fingerprint
+from specserve.model.loading import load_tokenizer, tokenizer_fingerprint
 from specserve.ports import busy_port_message
-from specserve.telemetry import setup_tracing
+from specserve.serving.logs import setup_logging
+from specserve.serving.telemetry import setup_tracing
 
 log = logging.getLogger("gateway")
 

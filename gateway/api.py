@@ -13,9 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.backends import ServedModel
+from gateway.clients import ServedModel
 from gateway.config import GatewayConfig
-from gateway.generation import GenerationPlan
+from gateway.rounds import GenerationPlan
 from specserve.sampling import SamplingParams
 
 
@@ -223,25 +223,7 @@ def plan_for(
     defaults: GatewayConfig,
 ) -> GenerationPlan:
     check_unsupported(request)
-    if not prompt_token_ids:
-        raise bad_request("the prompt must not be empty", "prompt")
-    if any(not 0 <= t < served.vocab_size for t in prompt_token_ids):
-        raise bad_request(f"prompt token ids must lie in [0, {served.vocab_size})", "prompt")
-    room = served.max_context_length - len(prompt_token_ids)
-    if room < 1:
-        raise bad_request(
-            f"the prompt has {len(prompt_token_ids)} tokens; the context window is {served.max_context_length}",
-            "prompt",
-        )
-    max_tokens = _max_tokens(request, room)
-    if max_tokens < 1:
-        raise bad_request("max_tokens must be >= 1", "max_tokens")
-    if max_tokens > room:
-        raise bad_request(
-            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context window "
-            f"of {served.max_context_length} tokens",
-            "max_tokens",
-        )
+    max_tokens = _checked_lengths(request, prompt_token_ids, served)
     speculation = request.speculation or Speculation()
     k = (
         defaults.num_speculative_tokens
@@ -282,6 +264,31 @@ def plan_for(
         pipeline=defaults.pipeline if speculation.pipeline is None else speculation.pipeline,
         yields_to_load=not seeded_sampled,
     )
+
+
+def _checked_lengths(request: _GenerationRequest, prompt_token_ids: list[int], served: ServedModel) -> int:
+    """The request's max_tokens, once the prompt's tokens and their count and max_tokens are
+    known to fit the model (a 400 naming the field otherwise)."""
+    if not prompt_token_ids:
+        raise bad_request("the prompt must not be empty", "prompt")
+    if any(not 0 <= t < served.vocab_size for t in prompt_token_ids):
+        raise bad_request(f"prompt token ids must lie in [0, {served.vocab_size})", "prompt")
+    room = served.max_context_length - len(prompt_token_ids)
+    if room < 1:
+        raise bad_request(
+            f"the prompt has {len(prompt_token_ids)} tokens; the context window is {served.max_context_length}",
+            "prompt",
+        )
+    max_tokens = _max_tokens(request, room)
+    if max_tokens < 1:
+        raise bad_request("max_tokens must be >= 1", "max_tokens")
+    if max_tokens > room:
+        raise bad_request(
+            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context window "
+            f"of {served.max_context_length} tokens",
+            "max_tokens",
+        )
+    return max_tokens
 
 
 def _method(asked: str | None, default: str, served: ServedModel) -> str:

@@ -2,11 +2,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.backends import Deadlines
+from gateway.clients import Deadlines
 from gateway.replicas import split_addresses
 from specserve.config import TracingOptions, check, field
 from specserve.paths import DEMO_TARGET
-from specserve.tls import channel_credentials, channel_options
+from specserve.serving.tls import channel_credentials, channel_options
 
 METHODS = ("draft_model", "early_exit", "ngram", "none")
 

@@ -8,9 +8,9 @@ import time
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from gateway.generation import GenerationPlan
-from specserve.metrics import GatewayMetrics
-from specserve.telemetry import start_span
+from gateway.rounds import GenerationPlan
+from specserve.serving.metrics import GatewayMetrics
+from specserve.serving.telemetry import start_span
 
 
 class RequestObserver:

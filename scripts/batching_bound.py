@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from specserve.model.runner import LlamaRunner
 from specserve.paths import DEMO_DRAFT, DEMO_TARGET
-from specserve.runner import LlamaRunner
 
 
 def median_seconds(call, repeats: int) -> float:

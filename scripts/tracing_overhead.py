@@ -24,17 +24,17 @@ from pathlib import Path
 
 import httpx
 
-from specserve.bench import wait_for_compiled_steps
 from specserve.paths import DEMO_DRAFT, DEMO_TARGET
-from specserve.trace_report import SpanCollector
-from specserve.workloads import code_completion_prompts
+from specserve.tools.bench import wait_for_compiled_steps
+from specserve.tools.trace_report import SpanCollector
+from specserve.tools.workloads import code_completion_prompts
 
 # Loaded by every process of the uninstrumented stack before the services import
-# specserve.telemetry: each tracing entry point becomes a bare no-op.
+# specserve.serving.telemetry: each tracing entry point becomes a bare no-op.
 NO_TRACING = """
 import contextlib
 from opentelemetry.trace import INVALID_SPAN
-import specserve.telemetry as telemetry
+import specserve.serving.telemetry as telemetry
 
 
 class _Tracer:

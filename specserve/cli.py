@@ -54,31 +54,31 @@ def main(argv: list[str] | None = None) -> int:
         _service_environment()
         os.execv(sys.executable, [sys.executable, "-m", SERVICE_MODULES[argv[0]], *argv[1:]])
     if argv and argv[0] == "gen-protos":
-        from specserve.protogen import main as gen_protos
+        from specserve.tools.protogen import main as gen_protos
 
         return gen_protos(argv[1:])
     if argv and argv[0] == "bench":
-        from specserve.bench import main as bench
+        from specserve.tools.bench import main as bench
 
         return bench(argv[1:])
     if argv and argv[0] == "load":
-        from specserve.load import main as load
+        from specserve.tools.load import main as load
 
         return load(argv[1:])
     if argv and argv[0] == "fuzz":
-        from specserve.fuzz import main as fuzz
+        from specserve.tools.fuzz import main as fuzz
 
         return fuzz(argv[1:])
     if argv and argv[0] == "trace":
-        from specserve.trace_report import main as trace
+        from specserve.tools.trace_report import main as trace
 
         return trace(argv[1:])
     if argv and argv[0] == "eval-demo":
-        from specserve.demo_eval import main as eval_demo
+        from specserve.tools.demo_eval import main as eval_demo
 
         return eval_demo(argv[1:])
     if argv and argv[0] == "train-demo":
-        from specserve.train_demo import main as train_demo
+        from specserve.tools.train_demo import main as train_demo
 
         return train_demo(argv[1:])
     args = _parser().parse_args(argv)

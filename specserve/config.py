@@ -155,7 +155,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 @dataclasses.dataclass(frozen=True)
 class TracingOptions:
-    """Tracing fields every service config has (see specserve.telemetry)."""
+    """Tracing fields every service config has (see specserve.serving.telemetry)."""
 
     trace_console: bool = field(
         False, "print spans to stdout (OTLP export is on when OTEL_EXPORTER_OTLP_ENDPOINT is set)"

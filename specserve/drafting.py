@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.backends import Backend, ForwardRow, KVSequence, forward_in_budget
 from specserve.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted, require
-from specserve.metrics import ServiceMetrics
-from specserve.models import LoadedModel
+from specserve.model.backends import Backend, ForwardRow, KVSequence, forward_in_budget
+from specserve.model.loading import LoadedModel
 from specserve.protocol import SparseDistribution, check_token_ids
 from specserve.sampling import SamplingParams, processed_probs, sample_sparse, truncate_to_support
+from specserve.serving.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 

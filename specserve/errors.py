@@ -1,4 +1,4 @@
-"""Errors a request can cause. Each maps to one gRPC status in specserve.grpc_server and to
+"""Errors a request can cause. Each maps to one gRPC status in specserve.serving.grpc_server and to
 one HTTP status in the gateway; anything else is a bug and answers INTERNAL."""
 
 from __future__ import annotations

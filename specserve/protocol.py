@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from specserve.errors import require
-from specserve.models import LoadedModel
+from specserve.model.loading import LoadedModel
 from specserve.v1 import common_pb2
 
 # Sums of float32 probabilities of a normalised support land within ~1e-6 of 1; anything

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, MistralConfig
 
 import specserve_kernels.attention as attention_kernels
 import specserve_kernels.attention_triton as attention_triton
-from specserve.runner import LlamaRunner
+from specserve.model.runner import LlamaRunner
 from specserve_kernels.attention_reference import exact_attention_reference
 from specserve_kernels.attention_triton import exact_attention_triton
 

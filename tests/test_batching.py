@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from specserve.batching import Again, Batcher
+from specserve.serving.batching import Again, Batcher
 
 
 def test_an_item_carried_on_keeps_its_future_and_queued_items_join_it():

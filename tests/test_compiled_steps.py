@@ -11,9 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import specserve.compiled_steps as compiled_steps
-from specserve.runner import LlamaRunner, cpu_has_bf16
-from specserve.testing import byte_tokenizer
+import specserve.model.compiled_steps as compiled_steps
+from specserve.model.linear import cpu_has_bf16
+from specserve.model.runner import LlamaRunner
+from specserve.tools.testing import byte_tokenizer
 from tests.test_runner import CONFIGS
 
 CPU = torch.device("cpu")
@@ -99,7 +100,7 @@ def test_a_step_that_disagrees_or_cannot_compile_leaves_the_eager_forward(tmp_pa
     make_step = compiled_steps._make_step
     monkeypatch.setattr(torch, "compile", lambda fn: fn)  # no compiling: the check is what is tested
     monkeypatch.setattr(compiled_steps, "_make_step", lambda *a: lambda *b: make_step(*a)(*b) + 1e-2)
-    with caplog.at_level(logging.ERROR, logger="specserve.compiled_steps"):
+    with caplog.at_level(logging.ERROR, logger="specserve.model.compiled_steps"):
         runner = draft_runner(directory, True)
         runner.compiled_steps.thread.join(timeout=60)
     assert runner.compiled_steps.failed and not runner.compiled_steps.ready
@@ -108,7 +109,7 @@ def test_a_step_that_disagrees_or_cannot_compile_leaves_the_eager_forward(tmp_pa
     assert runner.forward([slot], [0], [[1]], [1])[0].shape == (1, 300)
 
     monkeypatch.setenv("CXX", "no-such-compiler")
-    with caplog.at_level(logging.INFO, logger="specserve.runner"):
+    with caplog.at_level(logging.INFO, logger="specserve.model.runner"):
         assert draft_runner(directory, True).compiled_steps is None
     assert "no-such-compiler is not on PATH" in caplog.text
 
@@ -169,7 +170,7 @@ def test_a_target_whose_steps_depend_on_the_batch_serves_eager(tmp_path, monkeyp
         return lambda *inputs: step(*inputs) * (1 + 1e-7 * inputs[2].shape[0])  # rows change the rounding
 
     monkeypatch.setattr(compiled_steps, "_make_step", batch_dependent)
-    with caplog.at_level(logging.ERROR, logger="specserve.compiled_steps"):
+    with caplog.at_level(logging.ERROR, logger="specserve.model.compiled_steps"):
         runner = target_runner(directory, True)
     assert runner.compiled_steps.failed and not runner.compiled_steps.ready
     assert "a target's results would depend on its batch" in caplog.text

@@ -8,7 +8,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specserve.models import tokenizer_fingerprint
+from specserve.model.loading import tokenizer_fingerprint
 from specserve.paths import DEMO_DRAFT, DEMO_MODELS, DEMO_TARGET
 
 
@@ -32,7 +32,7 @@ def test_demo_pair_loads_as_it_is_and_shares_a_tokenizer():
 
 
 def test_the_training_recipe_runs_end_to_end_in_smoke_mode(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "specserve.train_demo", "--smoke", "--run-dir", str(tmp_path / "run"),
+    result = subprocess.run([sys.executable, "-m", "specserve.tools.train_demo", "--smoke", "--run-dir", str(tmp_path / "run"),
                              "--out-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     for name in ("target", "draft"):

@@ -26,8 +26,8 @@ def _service_parser(module: str, config: str, prefix: str) -> argparse.ArgumentP
 
 
 def parser_of(subcommand: str) -> argparse.ArgumentParser | None:
-    from specserve import bench, demo_eval, fuzz, load, protogen, trace_report, train_demo
     from specserve.cli import _parser
+    from specserve.tools import bench, demo_eval, fuzz, load, protogen, trace_report, train_demo
 
     tools = {"bench": bench, "load": load, "fuzz": fuzz, "trace": trace_report, "eval-demo": demo_eval,
              "train-demo": train_demo, "gen-protos": protogen}  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 from scipy import stats
 from transformers import AutoModelForCausalLM
 
-from specserve.runner import cpu_has_bf16
+from specserve.model.linear import cpu_has_bf16
 from tests.conftest import free_port, metric, start_stack, stop_process, up_command
 from tests.test_compiled_steps import needs_compiler
 
@@ -282,7 +282,7 @@ def test_models_and_health(stack):
 @pytest.mark.parametrize("draft_service", [False, True], ids=["verifier", "gateway"])
 def test_mismatched_pair_is_refused_at_start_up(tmp_path, draft_service):
     """By the verifier that would draft with it, or by the gateway in front of a draft service."""
-    from specserve.testing import save_pair
+    from specserve.tools.testing import save_pair
 
     target_dir, draft_dir = save_pair(tmp_path, mismatched=True)
     command = up_command(target_dir, draft_dir, free_port(), free_port(), free_port(), draft_service=draft_service)

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from draft_service.config import DraftConfig
-from specserve.batching import Again
 from specserve.drafting import Drafter, DraftJob, DraftOptions
 from specserve.errors import FailedPrecondition, ResourceExhausted
-from specserve.models import load_model
+from specserve.model.loading import load_model
 from specserve.sampling import SamplingParams
+from specserve.serving.batching import Again
 from verify_service.config import VerifyConfig
-from verify_service.engine import DecodeJob, PrefillJob, ReleaseJob, Verifier, VerifyJob
+from verify_service.engine import Verifier
+from verify_service.jobs import DecodeJob, PrefillJob, ReleaseJob, VerifyJob
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0)

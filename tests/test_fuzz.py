@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from specserve.fuzz import Tally, fuzz_grpc, fuzz_http
+from specserve.tools.fuzz import Tally, fuzz_grpc, fuzz_http
 
 
 def test_generated_http_bodies_get_4xx_not_5xx(stack):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import grpc
 
-from gateway.backends import Deadlines
+from gateway.clients import Deadlines
 from gateway.generation import GenerationPlan, SpeculationStats, generate
 from gateway.replicas import ReplicaSet
 from specserve.sampling import SamplingParams

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from specserve.fuzz import Tally, fuzz_hostile
+from specserve.tools.fuzz import Tally, fuzz_hostile
 from tests.conftest import free_port, metric, start_stack, stop_process, wait_until_healthy
 
 KEY = "hardening-key"

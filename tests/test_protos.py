@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from specserve.protogen import proto_files, stale_files
+from specserve.tools.protogen import proto_files, stale_files
 
 
 def test_committed_stubs_are_current():

@@ -14,7 +14,7 @@ import grpc
 import httpx
 import pytest
 
-from gateway.backends import Backends, Deadlines, DraftStream
+from gateway.clients import Backends, Deadlines, DraftStream
 from specserve.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from tests.conftest import free_port, metric, start_stack, stop_process
 

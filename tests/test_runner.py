@@ -8,11 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-import specserve.runner as runner_module
-from specserve.backends import RunnerBackend, TransformersBackend
-from specserve.models import load_model
-from specserve.runner import LlamaRunner, _Linear, cpu_has_bf16
-from specserve.testing import byte_tokenizer
+import specserve.model.linear as linear_module
+import specserve.model.weights as weights_module
+from specserve.model.backends import RunnerBackend, TransformersBackend
+from specserve.model.linear import Linear, cpu_has_bf16
+from specserve.model.loading import load_model
+from specserve.model.runner import LlamaRunner
+from specserve.tools.testing import byte_tokenizer
 
 CPU = torch.device("cpu")
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -166,16 +168,16 @@ def test_prepacked_matrices_multiply_as_f_linear_does():
         x = torch.randn(rows, 64)
         for b in (None, bias):
             expected = torch.nn.functional.linear(x.bfloat16(), weight, b).float()
-            assert torch.equal(_Linear(weight, b)(x), expected)
+            assert torch.equal(Linear(weight, b)(x), expected)
 
 
 def test_float32_prepacked_products_do_not_depend_on_the_row_count():
-    """oneDNN's float32 kernel for one row rounds unlike the one for two or more: _Linear sends a
+    """oneDNN's float32 kernel for one row rounds unlike the one for two or more: Linear sends a
     lone row twice, so each row's product is the same in any batch (and F.linear's to 1e-5)."""
     torch.manual_seed(6)
     weight, bias = torch.randn(200, 96) / 10, torch.randn(200)
     for b in (None, bias):
-        linear = _Linear(weight, b)
+        linear = Linear(weight, b)
         assert linear.packed is not None or not torch.backends.mkldnn.is_available()
         x = torch.randn(40, 96)
         alone = torch.cat([linear(x[i : i + 1]) for i in range(len(x))])
@@ -195,20 +197,20 @@ class _RowCountDependent:
 
 
 def test_the_row_independence_probe_catches_a_row_count_dependent_product():
-    assert not runner_module._row_independent(_RowCountDependent())
-    assert runner_module._row_independent(_Linear(torch.randn(24, 8), row_invariant=True))
+    assert not linear_module.row_independent(_RowCountDependent())
+    assert linear_module.row_independent(Linear(torch.randn(24, 8), row_invariant=True))
 
 
 def test_an_auto_choice_that_depends_on_the_row_count_is_replaced_or_warned_of(tmp_path, monkeypatch, caplog):
     torch.manual_seed(7)
     AutoModelForCausalLM.from_config(LlamaConfig(**COMMON)).eval().half().save_pretrained(tmp_path)
     auto = LlamaRunner(str(tmp_path), CPU, torch.float32, 1, 256).matmul_dtype
-    probe = runner_module._row_independent
-    monkeypatch.setattr(runner_module, "_row_independent", lambda linear: linear.dtype != auto and probe(linear))
+    probe = linear_module.row_independent
+    monkeypatch.setattr(weights_module, "row_independent", lambda linear: linear.dtype != auto and probe(linear))
     replaced = LlamaRunner(str(tmp_path), CPU, torch.float32, 1, 256)
     assert replaced.matmul_dtype != auto and replaced.layers[0].qkv.dtype == replaced.matmul_dtype
-    monkeypatch.setattr(runner_module, "_row_independent", lambda linear: False)
-    with caplog.at_level(logging.WARNING, logger="specserve.runner"):
+    monkeypatch.setattr(weights_module, "row_independent", lambda linear: False)
+    with caplog.at_level(logging.WARNING, logger="specserve.model.weights"):
         kept = LlamaRunner(str(tmp_path), CPU, torch.float32, 1, 256)
     assert kept.matmul_dtype == auto and kept.lm_head.dtype == auto and "depend on the row count" in caplog.text
 
@@ -217,7 +219,7 @@ def test_the_probe_tries_float16_only_for_a_float16_checkpoint(tmp_path, monkeyp
     torch.manual_seed(8)
     AutoModelForCausalLM.from_config(LlamaConfig(**COMMON)).eval().to(torch.bfloat16).save_pretrained(tmp_path)
     tried = []
-    monkeypatch.setattr(runner_module, "_row_independent", lambda linear: tried.append(linear.dtype) and False)
+    monkeypatch.setattr(weights_module, "row_independent", lambda linear: tried.append(linear.dtype) and False)
     runner = LlamaRunner(str(tmp_path), CPU, torch.float32, 1, 256)
     assert torch.float32 in tried and torch.float16 not in tried
     assert runner.matmul_dtype == tried[0] and runner.layers[1].down.dtype == tried[0]  # the first choice, kept

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from specserve.trace_report import DRAFT_CLIENT, ROUND, SpanCollector, duration_ms, report
+from specserve.tools.trace_report import DRAFT_CLIENT, ROUND, SpanCollector, duration_ms, report
 from tests.conftest import free_port, start_stack, stop_process
 
 

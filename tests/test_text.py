@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.text import TextAssembler
-from specserve.testing import byte_tokenizer
+from specserve.tools.testing import byte_tokenizer
 
 TOKENIZER = byte_tokenizer()
 

@@ -7,18 +7,19 @@ import sys
 import threading
 import time
 
-from specserve.batching import Batcher
 from specserve.config import parse_config, pin_to_cpus
 from specserve.drafting import Drafter, DraftOptions
-from specserve.grpc_server import busy_port, run_service
-from specserve.logs import setup_logging
-from specserve.metrics import ServiceMetrics
-from specserve.models import LoadedModel, load_for_service, load_tokenizer, tokenizer_fingerprint
-from specserve.runner import UnsupportedModel
-from specserve.telemetry import setup_tracing
+from specserve.model.loading import LoadedModel, load_for_service, load_tokenizer, tokenizer_fingerprint
+from specserve.model.runner import UnsupportedModel
+from specserve.serving.batching import Batcher
+from specserve.serving.grpc_server import busy_port, run_service
+from specserve.serving.logs import setup_logging
+from specserve.serving.metrics import ServiceMetrics
+from specserve.serving.telemetry import setup_tracing
 from specserve.v1 import verify_pb2_grpc
 from verify_service.config import VerifyConfig
-from verify_service.engine import SweepJob, Verifier
+from verify_service.engine import Verifier
+from verify_service.jobs import SweepJob
 from verify_service.local_drafts import LocalDrafting
 from verify_service.servicer import SERVICE_NAME, VerifyServicer
 

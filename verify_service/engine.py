@@ -19,117 +19,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from specserve.backends import ForwardRow, KVSequence, forward_in_budget
-from specserve.batching import Again
 from specserve.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, require
-from specserve.metrics import ServiceMetrics
-from specserve.models import LoadedModel
+from specserve.model.backends import ForwardRow, forward_in_budget
+from specserve.model.loading import LoadedModel
 from specserve.protocol import SparseDistribution, check_token_ids
-from specserve.sampling import SamplingParams, processed_probs, verify_noise
-from specserve.speculation import Speculation
-from specserve_kernels.rejection import greedy_verify, rejection_sample
+from specserve.sampling import SamplingParams
+from specserve.serving.batching import Again
+from specserve.serving.metrics import ServiceMetrics
 from verify_service.config import VerifyConfig
-from verify_service.local_drafts import DraftTiming, LocalDrafting, SessionDrafts
+from verify_service.decisions import decide
+from verify_service.jobs import DecodeJob, Job, Outcome, PrefillJob, ReleaseJob, Session, SweepJob, VerifyJob
+from verify_service.local_drafts import DraftTiming, LocalDrafting
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PrefillJob:
-    session_id: str
-    token_ids: tuple[int, ...]
-    sampling: SamplingParams
-
-
-@dataclass(frozen=True)
-class VerifyJob:
-    session_id: str
-    num_verified: int
-    draft_token_ids: tuple[int, ...]
-    draft_distributions: tuple[SparseDistribution, ...]
-    sampling: SamplingParams | None  # None: the session's own
-
-
-@dataclass(frozen=True)
-class DecodeJob:
-    """Up to max_tokens tokens, one round per batch: target-only, or speculative with local
-    drafts when speculation is set. emit gets each round's Outcome on the worker thread;
-    ended, once set (the call is over), stops the decode before its next round, or before
-    its first."""
-
-    session_id: str
-    num_verified: int
-    max_tokens: int
-    sampling: SamplingParams | None
-    emit: Callable[[Outcome], None]
-    ended: threading.Event
-    session: Session | None = None  # the session it decodes into, from its first token on
-    speculation: Speculation | None = None
-
-    def as_verify(self) -> VerifyJob:
-        return VerifyJob(self.session_id, self.num_verified, (), (), self.sampling)
-
-
-@dataclass(frozen=True)
-class ReleaseJob:
-    session_id: str
-
-
-@dataclass(frozen=True)
-class SweepJob:
-    """Releases sessions idle for longer than the session TTL (a gateway that died cannot)."""
-
-    now: float
-
-
-Job = PrefillJob | VerifyJob | DecodeJob | ReleaseJob | SweepJob
-
-
-@dataclass(frozen=True)
-class Outcome:
-    num_accepted: int
-    next_token_id: int
-    num_verified: int
-    batch_size: int
-    accepted_token_ids: tuple[int, ...] = ()  # the drafts kept, before next_token_id
-    num_draft_tokens: int = 0  # K verified
-    # Wall-clock times (time.time_ns) of the batch this call ran in: drafting (colocated;
-    # 0 when none), start of the forward, forward done, decision done. Spans and metrics are
-    # made from them on the caller's thread.
-    draft_started_ns: int = 0
-    draft_ended_ns: int = 0
-    batch_started_ns: int = 0
-    forward_ended_ns: int = 0
-    decided_ns: int = 0
-
-    @property
-    def draft_seconds(self) -> float:
-        return (self.draft_ended_ns - self.draft_started_ns) / 1e9
-
-    @property
-    def forward_seconds(self) -> float:
-        return (self.forward_ended_ns - self.batch_started_ns) / 1e9
-
-    @property
-    def kernel_seconds(self) -> float:
-        return (self.decided_ns - self.forward_ended_ns) / 1e9
-
-
-@dataclass
-class Session:
-    tokens: list[int]  # the verified sequence; its last token is not yet in the cache
-    sequence: KVSequence
-    sampling: SamplingParams
-    last_used: float = field(default_factory=time.monotonic)
-    drafts: SessionDrafts | None = None  # colocated drafting, from its first speculative decode
-    last_decided_ns: int = 0  # a decode's previous round; 0 before the first round of a Decode call
 
 
 @dataclass
@@ -208,7 +115,7 @@ class Verifier:
             started = time.time_ns()
             self._forward([row for _, row in rows])
             forwarded = time.time_ns()
-            decisions = self._decide([row for _, row in rows])
+            decisions = decide([row for _, row in rows], self.loaded.device)
             timing = {"batch_started_ns": started, "forward_ended_ns": forwarded, "decided_ns": time.time_ns()}
         except BaseException:
             for _, row in rows:
@@ -412,78 +319,6 @@ class Verifier:
         for i, (token, distribution) in enumerate(zip(job.draft_token_ids, job.draft_distributions)):
             require(distribution.prob_of(token) > 0, f"draft token {i} ({token}) has no mass in its own distribution")
 
-    def _decide(self, rows: list[_Row]) -> list[tuple[int, int]]:
-        decisions: list[tuple[int, int]] = [(0, 0)] * len(rows)
-        greedy = [i for i, row in enumerate(rows) if row.sampling.is_greedy]
-        sampled = [i for i, row in enumerate(rows) if not row.sampling.is_greedy]
-        for group, decide in ((greedy, self._decide_greedy), (sampled, self._decide_sampled)):
-            if group:
-                for i in group:
-                    rows[i].batch_size = len(group)
-                for i, decision in zip(group, decide([rows[i] for i in group])):
-                    decisions[i] = decision
-        return decisions
-
-    def _decide_greedy(self, rows: list[_Row]) -> list[tuple[int, int]]:
-        """Accept while d_i == argmax p_i; the next token is the argmax after the last one
-        kept. On CUDA the Triton kernel decides the batch on the device; elsewhere a walk in
-        Python over the argmax the compiled forward made (or one argmax over every row's
-        logits) does, where padding the rows for the reference kernel cost far more."""
-        if rows[0].logits.is_cuda and any(row.drafts for row in rows):
-            logits, drafts, num_draft = self._pad_rows(rows, [row.logits for row in rows])
-            return _unpack(*greedy_verify(logits, drafts, num_draft))
-        if all(row.argmax is not None for row in rows):  # made by the compiled forward
-            argmax = [token for row in rows for token in row.argmax]
-        else:
-            logits = rows[0].logits if len(rows) == 1 else torch.cat([row.logits for row in rows])
-            argmax = logits.argmax(-1).tolist()  # [sum of K + 1]
-        decisions, end = [], 0
-        for row in rows:
-            best, end = argmax[end : end + len(row.drafts) + 1], end + len(row.drafts) + 1
-            kept = next((i for i, (d, b) in enumerate(zip(row.drafts, best)) if d != b), len(row.drafts))
-            decisions.append((kept, best[kept]))
-        return decisions
-
-    def _decide_sampled(self, rows: list[_Row]) -> list[tuple[int, int]]:
-        probs = [processed_probs(row.logits, row.sampling) for row in rows]
-        target_probs, drafts, num_draft = self._pad_rows(rows, probs)
-        batch, k_max = drafts.shape
-        vocab = target_probs.shape[2]
-        support = max((len(d.token_ids) for row in rows for d in row.distributions), default=1)
-        device = self.loaded.device
-        q_ids = torch.full((batch, k_max, support), -1, dtype=torch.long)  # [batch, k_max, support]
-        q_probs = torch.zeros(batch, k_max, support)
-        uniforms = torch.zeros(batch, k_max)  # [batch, k_max]
-        noise = torch.ones(batch, k_max + 1, vocab, device=device)  # [batch, k_max + 1, vocab]
-        for b, row in enumerate(rows):
-            for i, distribution in enumerate(row.distributions):
-                q_ids[b, i, : len(distribution.token_ids)] = torch.tensor(distribution.token_ids)
-                q_probs[b, i, : len(distribution.probs)] = torch.tensor(distribution.probs)
-            row_uniforms, row_noise = verify_noise(
-                row.sampling.seed, row.first_position, len(row.drafts), k_max, vocab, device
-            )
-            uniforms[b] = row_uniforms.cpu()
-            noise[b] = row_noise
-        output, num_accepted = rejection_sample(
-            target_probs, drafts, num_draft, q_ids.to(device), q_probs.to(device), uniforms.to(device), noise
-        )
-        return _unpack(output, num_accepted)
-
-    def _pad_rows(
-        self, rows: list[_Row], per_row: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Stacks rows of different K: ([batch, k_max + 1, vocab], drafts [batch, k_max], num_draft [batch])."""
-        k_max = max(len(row.drafts) for row in rows)
-        vocab = per_row[0].shape[1]
-        device = self.loaded.device
-        scores = torch.zeros(len(rows), k_max + 1, vocab, device=device)
-        drafts = torch.full((len(rows), k_max), -1, dtype=torch.long)
-        for b, (row, values) in enumerate(zip(rows, per_row)):
-            scores[b, : values.shape[0]] = values
-            drafts[b, : len(row.drafts)] = torch.tensor(row.drafts, dtype=torch.long)
-        num_draft = torch.tensor([len(row.drafts) for row in rows], dtype=torch.long)
-        return scores, drafts.to(device), num_draft.to(device)
-
     def _commit(self, row: _Row, num_accepted: int, next_token: int) -> Outcome:
         num_accepted, next_token = self._stop_at_end_of_sequence(row.drafts, num_accepted, next_token)
         session = row.session
@@ -501,8 +336,3 @@ class Verifier:
             if token in self.loaded.eos_token_ids:
                 return i, token
         return num_accepted, next_token
-
-
-def _unpack(output: torch.Tensor, num_accepted: torch.Tensor) -> list[tuple[int, int]]:
-    output, num_accepted = output.cpu(), num_accepted.cpu()
-    return [(int(n), int(output[b, n])) for b, n in enumerate(num_accepted.tolist())]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from specserve.drafting import Drafter, DraftJob, DraftSession, Proposal
 from specserve.errors import RequestError
-from specserve.logs import RateLimitedLog
+from specserve.serving.logs import RateLimitedLog
 from specserve.speculation import KChooser, Shared, Speculation
 
 log = logging.getLogger(__name__)

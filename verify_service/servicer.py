@@ -7,16 +7,16 @@ import threading
 import time
 from collections.abc import Iterator
 
-from specserve.batching import Batcher
-from specserve.metrics import ServiceMetrics
-from specserve.models import LoadedModel
+from specserve.model.loading import LoadedModel
 from specserve.protocol import SparseDistribution, model_info
 from specserve.sampling import SamplingParams
+from specserve.serving.batching import Batcher
+from specserve.serving.metrics import ServiceMetrics
+from specserve.serving.telemetry import record_span
 from specserve.speculation import Speculation
-from specserve.telemetry import record_span
 from specserve.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from verify_service.config import VerifyConfig
-from verify_service.engine import DecodeJob, Outcome, PrefillJob, ReleaseJob, VerifyJob
+from verify_service.jobs import DecodeJob, Outcome, PrefillJob, ReleaseJob, VerifyJob
 
 SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 

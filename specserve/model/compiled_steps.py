@@ -23,6 +23,7 @@ that is a graph of its own), so nothing compiles while serving."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -32,9 +33,8 @@ import time
 import types
 
 import torch
-import torch.nn.functional as F
 
-from specserve.runner import KEY_BLOCK
+from specserve.model.llama import KEY_BLOCK, decoder_layer, final_logits
 
 log = logging.getLogger(__name__)
 
@@ -54,26 +54,17 @@ def _call_onednn_linear_as_is() -> None:
     lowering.make_fallback(op, warn=False)
 
 
-def _linear(x: torch.Tensor, linear: tuple) -> torch.Tensor:
-    """x @ matrix.T (+ bias) in the matrix's dtype, returned in x's; linear is from _weights."""
-    matrix, bias, dtype, kind = linear
-    h = x.to(dtype)
-    if kind == "int8":  # matrix: (int8 rows, their scales)
-        y = torch._weight_int8pack_mm(h, *matrix)
-        y = y if bias is None else y + bias
-    elif kind == "packed":
-        y = torch.ops.mkldnn._linear_pointwise(h, matrix, bias, "none", [], "")
-    else:
-        y = F.linear(h, matrix, bias)
-    return y.to(x.dtype)
-
-
-def _make_step(weights: dict, shape: tuple):
+def _make_step(runner):
     """The one-token step over the runner's weights, which it holds as constants: compiled
-    code specialised to them (only the rows and the keys read vary)."""
-    heads, kv_heads, d, eps, window = shape
-    half, scale = d // 2, 1 / math.sqrt(d)
-    embed, norm, layers = weights["embed"], weights["norm"], weights["layers"]
+    code specialised to them (only the rows and the keys read vary). Its layers are the eager
+    forward's own (llama.decoder_layer); only attention differs: each token reads its own
+    slot's keys up to its position."""
+    spec = runner.spec
+    heads, kv_heads, d, window = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.sliding_window or 0
+    scale = 1 / math.sqrt(d)
+    embed, norm, lm_head, layers, cos_table, sin_table = (
+        runner.embed, runner.norm, runner.lm_head, runner.layers, runner._cos, runner._sin
+    )  # fmt: skip
 
     def step(
         k_cache: list[torch.Tensor],  # per layer [slots, kv_heads, max_len + KEY_BLOCK, d]: writes the new keys
@@ -86,22 +77,11 @@ def _make_step(weights: dict, shape: tuple):
         """Logits [B, vocab] float32 of one token per row."""
         batch, num_keys = tokens.shape[0], key_index.shape[0]
         x = embed[tokens].to(norm.dtype)  # [B, hidden]
-        cos, sin = weights["cos"][positions][:, None, :], weights["sin"][positions][:, None, :]  # [B, 1, d]
         allowed = key_index[None, :] <= positions[:, None]  # [B, L]
         if window:
             allowed = allowed & (key_index[None, :] > positions[:, None] - window)
-        for i, layer in enumerate(layers):
-            h = F.rms_norm(x, layer["input_norm"].shape, layer["input_norm"], eps)
-            qkv = _linear(h, layer["qkv"])  # [B, (heads + 2 kv_heads) d]
-            qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
-            qk, v = qk.view(batch, heads + kv_heads, d), v.view(batch, kv_heads, d)
-            if layer["q_norm"] is not None:
-                q, k = qk.split([heads, kv_heads], dim=1)
-                q = F.rms_norm(q, layer["q_norm"].shape, layer["q_norm"], eps)
-                k = F.rms_norm(k, layer["k_norm"].shape, layer["k_norm"], eps)
-                qk = torch.cat([q, k], dim=1)
-            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
-            q, k = qk.split([heads, kv_heads], dim=1)  # [B, heads, d], [B, kv_heads, d]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_cache[i][slots, :, positions] = k  # writes into the cache
             v_cache[i][slots, :, positions] = v
             keys = k_cache[i][slots, :, :num_keys]  # [B, kv_heads, L, d]
@@ -110,12 +90,12 @@ def _make_step(weights: dict, shape: tuple):
             scores = torch.einsum("bkgd,bkld->bkgl", grouped, keys) * scale
             scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
             out = torch.einsum("bkgl,bkld->bkgd", torch.softmax(scores, dim=-1), values)  # [B, kv_heads, group, d]
-            x = x + _linear(out.reshape(batch, heads * d), layer["o"])
-            h = F.rms_norm(x, layer["post_norm"].shape, layer["post_norm"], eps)
-            gate, up = _linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, layer["down"])
-        x = F.rms_norm(x, norm.shape, norm, eps)
-        return _linear(x, weights["lm_head"]).float()  # [B, vocab]
+            return out.reshape(batch, heads * d)
+
+        cos, sin = cos_table[positions], sin_table[positions]  # [B, d]
+        for i, layer in enumerate(layers):
+            x = decoder_layer(x, layer, spec, cos, sin, functools.partial(attend, i))
+        return final_logits(x, norm, lm_head, spec.rms_norm_eps)  # [B, vocab]
 
     return step
 
@@ -142,8 +122,6 @@ class CompiledSteps:
         self._asked = False  # whether a greedy run was ever asked for
         self._wanted: list[int] = []  # counts not compiled yet
         self.thread: threading.Thread | None = None
-        spec = runner.spec
-        shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps, spec.sliding_window or 0)
         import torch._inductor.config
 
         # Inductor compiles in the calling thread, not in a pool of worker processes that
@@ -151,7 +129,7 @@ class CompiledSteps:
         torch._inductor.config.compile_threads = 1
         _call_onednn_linear_as_is()
         self._owner = f"{self.role}_{id(runner):x}"
-        self._step_function = _make_step(_weights(runner), shape)
+        self._step_function = _make_step(runner)
         self._compiled = torch.compile(_with_argmax(self._step_function, self._owner))
 
     @staticmethod
@@ -358,20 +336,3 @@ def _with_argmax(step, owner: str):
         return logits, logits.argmax(-1)
 
     return _own_code(step_with_argmax, f"step_with_argmax_{owner}")
-
-
-def _weights(runner) -> dict:
-    def linear(m) -> tuple:
-        if m.quantized is not None:
-            return (m.quantized, m.bias, m.dtype, "int8")
-        if m.packed is not None:
-            return (m.packed, m.bias, m.dtype, "packed")
-        return (m.weight, m.bias, m.dtype, "dense")
-
-    layers = [
-        {"input_norm": layer.input_norm, "post_norm": layer.post_norm, "q_norm": layer.q_norm, "k_norm": layer.k_norm,
-         "qkv": linear(layer.qkv), "o": linear(layer.o), "gate_up": linear(layer.gate_up), "down": linear(layer.down)}
-        for layer in runner.layers
-    ]  # fmt: skip
-    return {"embed": runner.embed, "norm": runner.norm, "lm_head": linear(runner.lm_head), "cos": runner._cos,
-            "sin": runner._sin, "layers": layers}  # fmt: skip

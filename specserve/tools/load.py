@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from specserve.bench import start_stack, stream_chunks
 from specserve.paths import DEMO_DRAFT, DEMO_TARGET
+from specserve.tools.bench import start_stack, stream_chunks
 
 
 @dataclass
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.clients < 1 or args.clients > 1024 or not 1 <= args.duration <= 3600:
         parser.error("clients must lie in 1..1024 and duration in 1..3600 s")
-    from specserve.workloads import code_completion_prompts
+    from specserve.tools.workloads import code_completion_prompts
 
     prompts = code_completion_prompts(12, context_lines=8)
     args.draft_service = True  # the draft service it kills midway

@@ -145,6 +145,15 @@ def fuzz_hostile(url: str, tally: Tally, api_key: str = "") -> None:
                 tally.failures.append(f"{label} -> {reply.status_code} {reply.text[:200]}")
 
 
+def _status_of(call) -> grpc.StatusCode:
+    """The status a gRPC call ends with (OK, or the error's)."""
+    try:
+        call()
+    except grpc.RpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
 def fuzz_grpc(verify_address: str, draft_address: str, count: int, tally: Tally) -> None:
     """The verifier's calls (speculative decodes included), and a draft service's streams
     unless draft_address is empty."""
@@ -184,24 +193,17 @@ def fuzz_grpc(verify_address: str, draft_address: str, count: int, tally: Tally)
     def decode(request, timeout):
         return list(verify.Decode(request, timeout=timeout))
 
-    def code_of(call) -> grpc.StatusCode:
-        try:
-            call()
-        except grpc.RpcError as error:
-            return error.code()
-        return grpc.StatusCode.OK
-
     @settings(max_examples=count, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(call=verify_calls)
     def check_verify(call):
         method, request = call
-        code = code_of(lambda: method(request, timeout=60))
+        code = _status_of(lambda: method(request, timeout=60))
         tally.check(code in ALLOWED_GRPC, f"{type(request).__name__} {str(request)[:300]} -> {code}")
 
     @settings(max_examples=max(1, count // 4), deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(requests=draft_requests)
     def check_draft(requests):
-        code = code_of(lambda: list(draft.Draft(iter(requests), timeout=60)))
+        code = _status_of(lambda: list(draft.Draft(iter(requests), timeout=60)))
         tally.check(code in ALLOWED_GRPC, f"Draft stream {[str(r)[:120] for r in requests]} -> {code}")
 
     check_verify()

@@ -3,7 +3,7 @@
 The pair is a small Python-code *target* and a distilled *draft* that shares its tokenizer
 and is trained to agree with it (high acceptance in speculative decoding, see docs/design.md).
 
-Run ``python -m specserve.train_demo --stage all`` (the defaults are the real recipe) or
+Run ``python -m specserve.tools.train_demo --stage all`` (the defaults are the real recipe) or
 one stage at a time: ``tokenizer``, ``target``, ``draft``, ``export``, ``eval``.
 ``--stage measure`` times a few training steps of candidate sizes; ``--smoke`` runs the
 whole code path on a tiny corpus in a temporary directory in about a minute. Rerunning a
@@ -79,7 +79,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger("specserve.train_demo")
+log = logging.getLogger("specserve.tools.train_demo")
 
 EOS = "<|endoftext|>"
 # EOS first so it gets id 0; it is also BOS and pad (one document separator, as in GPT-2).
@@ -143,7 +143,7 @@ class ModelShape:
 @dataclass(frozen=True)
 class TrainDemoConfig:
     run_dir: Path = Path("/work/train_runs")  # checkpoints, caches, logs (outside the repo)
-    out_dir: Path = Path(__file__).resolve().parent.parent / "models" / "demo"
+    out_dir: Path = Path(__file__).resolve().parents[2] / "models" / "demo"
     seed: int = 1234
     threads: int = 2
     vocab_size: int = 8192

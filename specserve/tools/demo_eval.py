@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from specserve.workloads import code_completion_prompts, function_headers
+from specserve.tools.workloads import code_completion_prompts, function_headers
 
 
 def complete(client: httpx.Client, url: str, prompt: str, **body) -> dict:

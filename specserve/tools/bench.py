@@ -39,7 +39,7 @@ WORKLOADS = ("code", "edit", "chat", "mixed")
 
 def workload_prompts(workload: str, count: int) -> list:
     """Prompts of a workload: strings for completions, message lists for chat."""
-    from specserve.workloads import chat_prompts, code_completion_prompts, edit_prompts
+    from specserve.tools.workloads import chat_prompts, code_completion_prompts, edit_prompts
 
     if workload == "code":
         return code_completion_prompts(count)
@@ -451,11 +451,18 @@ def round_split(records: list[dict]) -> str:
 
 
 def plots(records: list[dict], out_dir: Path) -> None:
+    """speedup_vs_k.png, acceptance_by_position.png and latency_split.png in out_dir."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    _plot_speculation(records, out_dir, plt)
+    _plot_latency_split(records, out_dir, plt)
+
+
+def _plot_speculation(records: list[dict], out_dir: Path, plt) -> None:
+    """Speedup by K, and acceptance by draft position, of the one-client fixed-K rows."""
     single = [r for r in records if r["clients"] == 1 and r["method"] == "draft_model" and not r["adaptive"]
               and not r["pipeline"]]  # fmt: skip
     groups = sorted({(r["workload"], r["temperature"]) for r in single})
@@ -491,6 +498,9 @@ def plots(records: list[dict], out_dir: Path) -> None:
     fig.savefig(out_dir / "acceptance_by_position.png", dpi=120)
     plt.close(fig)
 
+
+def _plot_latency_split(records: list[dict], out_dir: Path, plt) -> None:
+    """Where a round's time goes in each one-client stack row, per round and per token."""
     stack_rows = [r for r in records if r["method"] not in ("hf_target", "hf_assisted") and r["clients"] == 1
                   and r.get("rounds")]  # fmt: skip
     fig, axes = plt.subplots(1, 2, figsize=(12, max(3, 0.35 * len(stack_rows))), sharey=True)

@@ -17,8 +17,8 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import Span, SpanKind
 
 from specserve.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted
-from specserve.telemetry import extract, rpc_span, set_rpc_status, tracing_enabled
-from specserve.tls import server_credentials
+from specserve.serving.telemetry import extract, rpc_span, set_rpc_status, tracing_enabled
+from specserve.serving.tls import server_credentials
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from specserve.backends import Backend, RunnerBackend, TransformersBackend
 from specserve.config import resolve_dtype
+from specserve.model.backends import Backend, RunnerBackend, TransformersBackend
 from specserve.paths import missing_tokenizer
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ def _load_backend(
     row_invariant=True,
     compile_steps=False,
 ) -> Backend:
-    from specserve.runner import LlamaRunner, UnsupportedModel
+    from specserve.model.runner import LlamaRunner, UnsupportedModel
 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")

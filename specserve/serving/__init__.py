@@ -1,0 +1,1 @@
+"""What every service runs on: the gRPC server, the batcher, TLS, tracing, metrics and logs."""

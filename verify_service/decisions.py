@@ -1,0 +1,92 @@
+"""The round's decision, for every row of a batch at once: which drafts to keep and the token
+after them (docs/design.md, "The round"). A row is the engine's: its drafts, their draft
+distributions, the target's logits (and their argmax where the forward made it), its
+sampling and the position of its first draft."""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.sampling import processed_probs, verify_noise
+from specserve_kernels.rejection import greedy_verify, rejection_sample
+
+
+def decide(rows: list, device: torch.device) -> list[tuple[int, int]]:
+    """Each row's (drafts kept, next token): greedy rows by argmax, sampled ones by the
+    rejection kernel, one call per sampling mode."""
+    decisions: list[tuple[int, int]] = [(0, 0)] * len(rows)
+    greedy = [i for i, row in enumerate(rows) if row.sampling.is_greedy]
+    sampled = [i for i, row in enumerate(rows) if not row.sampling.is_greedy]
+    for group, decide_group in ((greedy, decide_greedy), (sampled, decide_sampled)):
+        if group:
+            for i in group:
+                rows[i].batch_size = len(group)
+            for i, decision in zip(group, decide_group([rows[i] for i in group], device)):
+                decisions[i] = decision
+    return decisions
+
+
+def decide_greedy(rows: list, device: torch.device) -> list[tuple[int, int]]:
+    """Accept while d_i == argmax p_i; the next token is the argmax after the last one
+    kept. On CUDA the Triton kernel decides the batch on the device; elsewhere a walk in
+    Python over the argmax the compiled forward made (or one argmax over every row's
+    logits) does, where padding the rows for the reference kernel cost far more."""
+    if rows[0].logits.is_cuda and any(row.drafts for row in rows):
+        logits, drafts, num_draft = pad_rows(rows, [row.logits for row in rows], device)
+        return unpack(*greedy_verify(logits, drafts, num_draft))
+    if all(row.argmax is not None for row in rows):  # made by the compiled forward
+        argmax = [token for row in rows for token in row.argmax]
+    else:
+        logits = rows[0].logits if len(rows) == 1 else torch.cat([row.logits for row in rows])
+        argmax = logits.argmax(-1).tolist()  # [sum of K + 1]
+    decisions, end = [], 0
+    for row in rows:
+        best, end = argmax[end : end + len(row.drafts) + 1], end + len(row.drafts) + 1
+        kept = next((i for i, (d, b) in enumerate(zip(row.drafts, best)) if d != b), len(row.drafts))
+        decisions.append((kept, best[kept]))
+    return decisions
+
+
+def decide_sampled(rows: list, device: torch.device) -> list[tuple[int, int]]:
+    probs = [processed_probs(row.logits, row.sampling) for row in rows]
+    target_probs, drafts, num_draft = pad_rows(rows, probs, device)
+    batch, k_max = drafts.shape
+    vocab = target_probs.shape[2]
+    support = max((len(d.token_ids) for row in rows for d in row.distributions), default=1)
+    q_ids = torch.full((batch, k_max, support), -1, dtype=torch.long)  # [batch, k_max, support]
+    q_probs = torch.zeros(batch, k_max, support)
+    uniforms = torch.zeros(batch, k_max)  # [batch, k_max]
+    noise = torch.ones(batch, k_max + 1, vocab, device=device)  # [batch, k_max + 1, vocab]
+    for b, row in enumerate(rows):
+        for i, distribution in enumerate(row.distributions):
+            q_ids[b, i, : len(distribution.token_ids)] = torch.tensor(distribution.token_ids)
+            q_probs[b, i, : len(distribution.probs)] = torch.tensor(distribution.probs)
+        row_uniforms, row_noise = verify_noise(
+            row.sampling.seed, row.first_position, len(row.drafts), k_max, vocab, device
+        )
+        uniforms[b] = row_uniforms.cpu()
+        noise[b] = row_noise
+    output, num_accepted = rejection_sample(
+        target_probs, drafts, num_draft, q_ids.to(device), q_probs.to(device), uniforms.to(device), noise
+    )
+    return unpack(output, num_accepted)
+
+
+def pad_rows(
+    rows: list, per_row: list[torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacks rows of different K: ([batch, k_max + 1, vocab], drafts [batch, k_max], num_draft [batch])."""
+    k_max = max(len(row.drafts) for row in rows)
+    vocab = per_row[0].shape[1]
+    scores = torch.zeros(len(rows), k_max + 1, vocab, device=device)
+    drafts = torch.full((len(rows), k_max), -1, dtype=torch.long)
+    for b, (row, values) in enumerate(zip(rows, per_row)):
+        scores[b, : values.shape[0]] = values
+        drafts[b, : len(row.drafts)] = torch.tensor(row.drafts, dtype=torch.long)
+    num_draft = torch.tensor([len(row.drafts) for row in rows], dtype=torch.long)
+    return scores, drafts.to(device), num_draft.to(device)
+
+
+def unpack(output: torch.Tensor, num_accepted: torch.Tensor) -> list[tuple[int, int]]:
+    output, num_accepted = output.cpu(), num_accepted.cpu()
+    return [(int(n), int(output[b, n])) for b, n in enumerate(num_accepted.tolist())]

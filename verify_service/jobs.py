@@ -1,0 +1,106 @@
+"""What the verifier's worker takes (a job per call) and gives back (an Outcome per round),
+and the sessions it keeps. Words as in docs/design.md, "Words"."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specserve.model.backends import KVSequence
+from specserve.protocol import SparseDistribution
+from specserve.sampling import SamplingParams
+from specserve.speculation import Speculation
+from verify_service.local_drafts import SessionDrafts
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    session_id: str
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class VerifyJob:
+    session_id: str
+    num_verified: int
+    draft_token_ids: tuple[int, ...]
+    draft_distributions: tuple[SparseDistribution, ...]
+    sampling: SamplingParams | None  # None: the session's own
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """Up to max_tokens tokens, one round per batch: target-only, or speculative with local
+    drafts when speculation is set. emit gets each round's Outcome on the worker thread;
+    ended, once set (the call is over), stops the decode before its next round, or before
+    its first."""
+
+    session_id: str
+    num_verified: int
+    max_tokens: int
+    sampling: SamplingParams | None
+    emit: Callable[[Outcome], None]
+    ended: threading.Event
+    session: Session | None = None  # the session it decodes into, from its first token on
+    speculation: Speculation | None = None
+
+    def as_verify(self) -> VerifyJob:
+        return VerifyJob(self.session_id, self.num_verified, (), (), self.sampling)
+
+
+@dataclass(frozen=True)
+class ReleaseJob:
+    session_id: str
+
+
+@dataclass(frozen=True)
+class SweepJob:
+    """Releases sessions idle for longer than the session TTL (a gateway that died cannot)."""
+
+    now: float
+
+
+Job = PrefillJob | VerifyJob | DecodeJob | ReleaseJob | SweepJob
+
+
+@dataclass(frozen=True)
+class Outcome:
+    num_accepted: int
+    next_token_id: int
+    num_verified: int
+    batch_size: int
+    accepted_token_ids: tuple[int, ...] = ()  # the drafts kept, before next_token_id
+    num_draft_tokens: int = 0  # K verified
+    # Wall-clock times (time.time_ns) of the batch this call ran in: drafting (colocated;
+    # 0 when none), start of the forward, forward done, decision done. Spans and metrics are
+    # made from them on the caller's thread.
+    draft_started_ns: int = 0
+    draft_ended_ns: int = 0
+    batch_started_ns: int = 0
+    forward_ended_ns: int = 0
+    decided_ns: int = 0
+
+    @property
+    def draft_seconds(self) -> float:
+        return (self.draft_ended_ns - self.draft_started_ns) / 1e9
+
+    @property
+    def forward_seconds(self) -> float:
+        return (self.forward_ended_ns - self.batch_started_ns) / 1e9
+
+    @property
+    def kernel_seconds(self) -> float:
+        return (self.decided_ns - self.forward_ended_ns) / 1e9
+
+
+@dataclass
+class Session:
+    tokens: list[int]  # the verified sequence; its last token is not yet in the cache
+    sequence: KVSequence
+    sampling: SamplingParams
+    last_used: float = field(default_factory=time.monotonic)
+    drafts: SessionDrafts | None = None  # colocated drafting, from its first speculative decode
+    last_decided_ns: int = 0  # a decode's previous round; 0 before the first round of a Decode call
