@@ -21,12 +21,12 @@ class Linear:
     """x @ weight.T (+ bias) in the weight's dtype, returned in x's dtype.
 
     On a CPU, F.linear hands a 16-bit weight to oneDNN, which reorders the whole matrix into
-    its blocked layout on every call: for one row that reorder is most of the cost (the demo
-    target's 25 matrices: 1.9 ms a decode step, 0.9 ms reordered once here). The prepacked
-    product is the same oneDNN kernel, bitwise equal to F.linear's and row-independent. A
-    float32 matrix is prepacked where products must not depend on the row count (a
-    verifier's): F.linear's float32 kernels (MKL) round differently for 1, 2-3 and 4 or more
-    rows, oneDNN's the same for every count of two or more."""
+    its blocked layout on every call: for one row that reorder is most of the cost, so the
+    matrix is reordered once here (docs/benchmarks.md, "Matrix dtypes on a CPU"). The
+    prepacked product is the same oneDNN kernel, bitwise equal to F.linear's and
+    row-independent. A float32 matrix is prepacked where products must not depend on the row
+    count (a verifier's): F.linear's float32 kernels (MKL) round differently for 1, 2-3 and 4
+    or more rows, oneDNN's the same for every count of two or more."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, row_invariant: bool = True, int8: bool = False
@@ -96,21 +96,13 @@ def auto_matmul_dtype(weights: dict[str, torch.Tensor], device: torch.device, dt
     """The matrices' dtype when none is asked for. Verifying K + 1 tokens at about the price of
     one step is what makes speculation pay, and the verifier's products must not depend on the
     row count (greedy output stays target-only's), so the choice is the fastest kernel that is
-    row-independent and cheap for many rows. Measured on two-thread CPUs with the
-    14M-parameter demo target's 25 matrices:
-    - with AVX512-BF16: bfloat16, prepacked (see Linear), 0.9 ms at 1 row and 1.0 at 5, the
-      same for every row count; float32 5.9 ms at 1 and 9.9 at 5; float16 1.0 ms at 1 but 4.2
-      at 5 (its kernels work row by row, and round differently with the number of rows);
-    - without (AVX512 only): float32, prepacked, 4 ms at 2 rows, 4 at 5, 5 at 16 and 11 at 80;
-      float16 2.5 ms at 1, 8 at 5, 26 at 16, 132 at 80; bfloat16 is converted in software
-      and rounds differently with the number of rows.
-    So a 16-bit checkpoint keeps bfloat16 matrices where the CPU multiplies it natively and
-    float32 elsewhere. Activations, norms and the KV cache stay in dtype. On CUDA dtype is
-    already 16-bit. A draft takes the same choice, though its results need not be
-    row-independent: the 1.5M-parameter demo draft's step is faster in float32 in a loop that
-    keeps its matrices in the CPU's caches (0.8 ms against 1.1), but in a running stack, where
-    the verifier's forwards evict them between rounds, bfloat16 made speculative decoding at
-    K = 4 1.05-1.07x faster (eager or compiled steps, two stacks side by side)."""
+    row-independent and cheap for many rows: bfloat16, prepacked (see Linear), where the CPU
+    multiplies it natively (AVX512-BF16 or AMX), float32 elsewhere, where float16 kernels work
+    row by row and bfloat16 is converted in software, both rounding differently with the
+    number of rows (docs/benchmarks.md, "Matrix dtypes on a CPU"). Activations, norms and the
+    KV cache stay in dtype; on CUDA dtype is already 16-bit. A draft takes the same choice,
+    though its results need not be row-independent: in a running stack, where the verifier's
+    forwards evict its matrices from the caches between rounds, 16-bit ones are read faster."""
     checkpoint = next(iter(weights.values())).dtype
     if device.type != "cpu" or dtype != torch.float32 or checkpoint not in (torch.float16, torch.bfloat16):
         return dtype
