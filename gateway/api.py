@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.clients import ServedModel
 from gateway.config import GatewayConfig
 from gateway.rounds import GenerationPlan
-from specserve.sampling import SamplingParams
+from specserve.sampling import SamplingParams, sampling_problem
 
 
 class ApiError(Exception):
@@ -72,10 +72,6 @@ UNSUPPORTED = {
     "chat_template": (), "documents": (), "reasoning_effort": (),
 }  # fmt: skip
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 64, 1024
-# Sampling parameters are carried as 32-bit floats: these bounds keep them normal numbers
-# whose effect is what was asked (a temperature of 1e-40 would divide the logits by zero).
-TEMPERATURE_RANGE = (1e-6, 1e4)
-MIN_TOP_P = 1e-6
 
 
 class _GenerationRequest(BaseModel):
@@ -201,18 +197,12 @@ def sampling_for(request: _GenerationRequest, vocab_size: int) -> SamplingParams
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     top_k = 0 if request.top_k in (None, -1) else request.top_k
-    low, high = TEMPERATURE_RANGE
-    if not (temperature == 0 or low <= temperature <= high):
-        raise bad_request(f"temperature must be 0 (greedy) or lie in [{low:g}, {high:g}]", "temperature")
-    if not MIN_TOP_P <= top_p <= 1:
-        raise bad_request(f"top_p must lie in [{MIN_TOP_P:g}, 1]", "top_p")
-    if top_k < 0:
-        raise bad_request("top_k must be >= 0 (0 or -1 keeps every token)", "top_k")
+    seed = secrets.randbits(63) if request.seed is None else request.seed
+    problem = sampling_problem(temperature, top_p, top_k, seed)
+    if problem is not None:
+        raise bad_request(*problem)
     if top_k >= vocab_size:
         top_k = 0  # keeps every token, as 0 does
-    seed = secrets.randbits(63) if request.seed is None else request.seed
-    if not 0 <= seed < 2**64:
-        raise bad_request("seed must lie in [0, 2**64)", "seed")
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
 
 

@@ -120,7 +120,7 @@ class _Session:
         self.last_k = 0  # the K of the round before
         self.k = 0  # the next remote round's K
         self.stretch = TARGET_ONLY_STRETCH[0]
-        self.prefetched: draft_pb2.DraftResponse | None = None
+        self.pipeline = _Pipeline(self)  # drafting ahead: a draft service's rounds only
 
     def accept(self, tokens: list[int]) -> None:
         """The one place a request's sequence grows: tokens the verifier decided, in order
@@ -138,13 +138,13 @@ class _Session:
         if not busy and plan.local:
             return plan.speculation, remaining
         if busy or not self.drafter.available:
-            self.prefetched = None  # drafted for a sequence these tokens replace
+            self.pipeline.forget()  # drafted for a sequence these tokens replace
             wanted, self.stretch = min(self.stretch, remaining), min(2 * self.stretch, TARGET_ONLY_STRETCH[1])
             return None, wanted
         self.stretch = TARGET_ONLY_STRETCH[0]
         self.k = self.chooser.next_k(remaining)
         if self.k == 0:  # drafts do not pay now: target-only tokens until the chooser tries again
-            self.prefetched = None
+            self.pipeline.forget()
             return None, min(remaining, max(1, self.chooser.target_only_tokens))
         return None
 
@@ -199,14 +199,14 @@ class _Session:
                         verify_server_seconds=0.0)  # fmt: skip
 
     async def round(self, k: int, remaining: int) -> Round:
-        proposal = await self._drafts(k)
+        proposal = await self.pipeline.proposal(k)
         drafts = proposal.drafts
         started = time.perf_counter()
         verifying = asyncio.ensure_future(verify(self, drafts, proposal.distributions))
-        ahead = self._draft_ahead(drafts, proposal.bonus_guess, remaining)
+        ahead = self.pipeline.draft_ahead(drafts, proposal.bonus_guess, remaining)
         request, response = await verifying
         verify_s = time.perf_counter() - started
-        await self._settle(ahead, drafts, proposal.bonus_guess, response)
+        await self.pipeline.settle(ahead, drafts, proposal.bonus_guess, response)
         if response is None:  # the verifier lost the session: prefilled again, one token
             new = [await prefill(self)]
             return Round(new_tokens=new, k=0, num_accepted=0, batch_size=1, draft_seconds=proposal.seconds,
@@ -221,9 +221,29 @@ class _Session:
                      verify_kernel_seconds=response.kernel_seconds, wire_bytes=wire_bytes,
                      pipelined=proposal.seconds == 0 and bool(drafts))  # fmt: skip
 
-    async def _drafts(self, k: int) -> Proposal:
-        """The proposal drafted ahead during the last round if it still applies, else a fresh
-        one."""
+    async def close(self) -> None:
+        if self.drafter is not None:
+            await self.drafter.close()
+        await release(self)
+
+
+class _Pipeline:
+    """A draft service's rounds drafted ahead (plan.pipeline): while round r is verified, round
+    r + 1 is drafted as if every draft of r and the draft's own bonus guess were kept; the
+    proposal is used where that came true and forgotten otherwise. All the gateway's state of
+    it is here (the draft service keeps the draft's cache of the guessed tokens until
+    confirmed)."""
+
+    def __init__(self, session: _Session):
+        self.session = session
+        self.prefetched: draft_pb2.DraftResponse | None = None  # drafted ahead, held for the next round
+
+    def forget(self) -> None:
+        self.prefetched = None
+
+    async def proposal(self, k: int) -> Proposal:
+        """The proposal drafted ahead if there is one, else a fresh one (none for k = 0)."""
+        session = self.session
         if self.prefetched is not None and k > 0:
             ahead, self.prefetched = self.prefetched, None
             drafts = list(ahead.draft_token_ids[:k])
@@ -232,34 +252,31 @@ class _Session:
         self.prefetched = None
         if k == 0:
             return Proposal([], [], -1, 0.0, 0.0, 0)
-        return await _draft(self.drafter, self.sequence, k, self.sampling, self.plan.pipeline)
+        return await _draft(session.drafter, session.sequence, k, session.sampling, session.plan.pipeline)
 
-    def _draft_ahead(self, drafts: list[int], guess: int, remaining: int):
-        """While the verifier checks this round, draft the next one as if every draft and the
+    def draft_ahead(self, drafts: list[int], guess: int, remaining: int) -> asyncio.Future | None:
+        """While the verifier checks this round, drafts the next one as if every draft and the
         draft's own bonus guess were accepted."""
-        if not (self.plan.pipeline and drafts and guess >= 0):
+        session = self.session
+        if not (session.plan.pipeline and drafts and guess >= 0):
             return None
         k_next = min(
-            self.chooser.k_after_all_kept(len(drafts), remaining - len(drafts) - 1), remaining - len(drafts) - 2
+            session.chooser.k_after_all_kept(len(drafts), remaining - len(drafts) - 1), remaining - len(drafts) - 2
         )
         if k_next < 1:
             return None
         guessed = [*drafts, guess]
-        return asyncio.ensure_future(_draft(self.drafter, self.sequence, k_next, self.sampling, True, guessed))
+        return asyncio.ensure_future(_draft(session.drafter, session.sequence, k_next, session.sampling, True, guessed))
 
-    async def _settle(self, ahead, drafts: list[int], guess: int, response) -> None:
+    async def settle(self, ahead, drafts: list[int], guess: int, response) -> None:
+        """Keeps the proposal drafted ahead where the round kept every draft and the guess."""
         if ahead is None:
             return
         proposal = await ahead
         held = response is not None and response.num_accepted == len(drafts) and response.next_token_id == guess
         if held and proposal.drafts:
-            self.drafter.confirm(len(self.sequence) + len(drafts) + 1)
+            self.session.drafter.confirm(len(self.session.sequence) + len(drafts) + 1)
             self.prefetched = proposal.response
-
-    async def close(self) -> None:
-        if self.drafter is not None:
-            await self.drafter.close()
-        await release(self)
 
 
 async def _draft(drafter: DraftStream, sequence: list[int], k: int, sampling, want_bonus_guess: bool = False,

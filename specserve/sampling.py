@@ -8,7 +8,6 @@ generator seeded by a hash of (seed, t, stream), never from a shared global stre
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +22,27 @@ DRAFT_STREAM = 1
 
 _MASK64 = (1 << 64) - 1
 
+# Sampling parameters travel as 32-bit floats: these bounds keep them normal numbers whose
+# effect is what was asked (a temperature of 1e-40 would divide the logits by zero).
+TEMPERATURE_RANGE = (1e-6, 1e4)
+MIN_TOP_P = 1e-6
+
+
+def sampling_problem(temperature: float, top_p: float, top_k: int, seed: int) -> tuple[str, str] | None:
+    """What is wrong with these sampling parameters, as (message, parameter), or None: the
+    one check of them, which the gateway answers with a 400 naming the parameter and the
+    services with INVALID_ARGUMENT."""
+    low, high = TEMPERATURE_RANGE
+    if not (temperature == 0 or low <= temperature <= high):  # NaN fails both
+        return f"temperature must be 0 (greedy) or lie in [{low:g}, {high:g}]", "temperature"
+    if not MIN_TOP_P <= top_p <= 1:
+        return f"top_p must lie in [{MIN_TOP_P:g}, 1]", "top_p"
+    if top_k < 0:
+        return "top_k must be >= 0 (0 keeps every token)", "top_k"
+    if not 0 <= seed <= _MASK64:
+        return "seed must lie in [0, 2**64)", "seed"
+    return None
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -34,10 +54,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be a finite number >= 0")
-        require(math.isfinite(self.top_p) and 0 < self.top_p <= 1, "top_p must lie in (0, 1]")
-        require(self.top_k >= 0, "top_k must be >= 0 (0 keeps every token)")
-        require(0 <= self.seed <= _MASK64, "seed must be an unsigned 64-bit integer")
+        problem = sampling_problem(self.temperature, self.top_p, self.top_k, self.seed)
+        require(problem is None, problem[0] if problem else "")
 
     @property
     def is_greedy(self) -> bool:
