@@ -35,9 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         models = {"draft_model": load_for_service(config, row_invariant=False, compile_steps=config.compile_steps)}
         if config.early_exit_model:
             models["early_exit"] = load_for_service(
-                config, config.early_exit_model, config.early_exit_layers, row_invariant=False,
+                config,
+                config.early_exit_model,
+                config.early_exit_layers,
+                row_invariant=False,
                 compile_steps=config.compile_steps,
-            )  # fmt: skip
+            )
     except (ValueError, OSError, UnsupportedModel) as error:  # no model, no tokenizer, an architecture not served
         log.error("refusing to start: %s", str(error).splitlines()[0])
         return 2

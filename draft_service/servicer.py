@@ -60,8 +60,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             min_draft_probability=request.min_draft_probability,
             want_bonus_guess=request.want_bonus_guess,
         )
-        attributes = {"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": "Draft",
-                      "specserve.k": request.num_speculative_tokens, "specserve.method": session.method}  # fmt: skip
+        attributes = {
+            "rpc.system": "grpc",
+            "rpc.service": SERVICE_NAME,
+            "rpc.method": "Draft",
+            "specserve.k": request.num_speculative_tokens,
+            "specserve.method": session.method,
+        }
         with span(
             "specserve.v1.DraftService/Draft propose",
             carrier=request.trace_context,
@@ -73,8 +78,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             proposal: Proposal = self._batcher.submit(job)
             server_span.set_attribute("specserve.batch_size", proposal.batch_size)
             record_span("drafter.queue", submitted, max(submitted, proposal.batch_started_ns))
-            record_span("draft.forward", proposal.batch_started_ns, proposal.batch_ended_ns,
-                        {"specserve.batch_size": proposal.batch_size})  # fmt: skip
+            record_span(
+                "draft.forward",
+                proposal.batch_started_ns,
+                proposal.batch_ended_ns,
+                {"specserve.batch_size": proposal.batch_size},
+            )
         self._metrics.queue_seconds.observe(max(0, proposal.batch_started_ns - submitted) / 1e9)
         return proposal
 

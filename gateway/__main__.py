@@ -29,8 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tokenizer = load_tokenizer(config.tokenizer)
     except (OSError, ValueError) as error:
-        log.error("refusing to start: no tokenizer in %s (%s); point --tokenizer at the target's directory",
-                  config.tokenizer, str(error).splitlines()[0])  # fmt: skip
+        log.error(
+            "refusing to start: no tokenizer in %s (%s); point --tokenizer at the target's directory",
+            config.tokenizer,
+            str(error).splitlines()[0],
+        )
         return 2
     https = {"ssl_certfile": config.http_tls_cert, "ssl_keyfile": config.http_tls_key} if config.http_tls_cert else {}
     server = None
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     server = uvicorn.Server(
         uvicorn.Config(
             app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=10, **https
-        )  # fmt: skip
+        )
     )
     log.info("listening on http://%s:%d (503 until the verify service answers)", config.host, config.port)
     server.run()

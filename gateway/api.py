@@ -31,8 +31,13 @@ class ApiError(Exception):
 
     @property
     def type(self) -> str:
-        return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "invalid_request_error", 429: "rate_limit_error"}.get(self.status, "server_error")  # fmt: skip
+        return {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            413: "invalid_request_error",
+            429: "rate_limit_error",
+        }.get(self.status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -60,17 +65,45 @@ class StreamOptions(BaseModel):
 # with the values that ask for nothing (a request may send those); any other value is a
 # 400 that names the field, never a silent default.
 UNSUPPORTED = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "length_penalty": (1,),
-    "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"),
-    "functions": ([],), "function_call": ("none", "auto"), "min_p": (0,), "min_tokens": (0,),
-    "stop_token_ids": ([],), "ignore_eos": (False,), "top_logprobs": (0,), "prompt_logprobs": (0,),
-    "use_beam_search": (False,), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "guided_decoding_backend": (), "structured_outputs": (), "logits_processors": ([],),
-    "allowed_token_ids": ([],), "bad_words": ([],), "truncate_prompt_tokens": (), "prediction": (),
-    "audio": (), "modalities": (["text"],), "continue_final_message": (False,), "add_generation_prompt": (True,),
-    "chat_template": (), "documents": (), "reasoning_effort": (),
-}  # fmt: skip
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "length_penalty": (1,),
+    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "min_p": (0,),
+    "min_tokens": (0,),
+    "stop_token_ids": ([],),
+    "ignore_eos": (False,),
+    "top_logprobs": (0,),
+    "prompt_logprobs": (0,),
+    "use_beam_search": (False,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "structured_outputs": (),
+    "logits_processors": ([],),
+    "allowed_token_ids": ([],),
+    "bad_words": ([],),
+    "truncate_prompt_tokens": (),
+    "prediction": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "continue_final_message": (False,),
+    "add_generation_prompt": (True,),
+    "chat_template": (),
+    "documents": (),
+    "reasoning_effort": (),
+}
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 64, 1024
 
 
@@ -149,9 +182,25 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 # apply_chat_template's own arguments, which chat_template_kwargs may not override.
-TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-                                "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-                                "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})  # fmt: skip
+TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 def check_model(requested: str | None, served: ServedModel) -> None:
@@ -249,7 +298,7 @@ def plan_for(
         k_bounds=(
             min(defaults.adaptive_k_min, served.max_speculative_tokens),
             min(defaults.adaptive_k_max, served.max_speculative_tokens),
-        ),  # fmt: skip
+        ),
         local=method in served.local_methods,
         pipeline=defaults.pipeline if speculation.pipeline is None else speculation.pipeline,
         yields_to_load=not seeded_sampled,

@@ -83,9 +83,12 @@ class Gateway:
         template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
         try:
             text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, chat_template=template,
+                messages,
+                tokenize=False,
+                add_generation_prompt=True,
+                chat_template=template,
                 **request.template_variables(),
-            )  # fmt: skip
+            )
         except (TemplateError, ValueError, TypeError, KeyError, IndexError) as error:
             raise bad_request(f"the model's chat template refused these messages: {error}", "messages") from None
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -142,13 +145,25 @@ async def _start_up(gateway: Gateway, fingerprint: str, on_fatal) -> None:
     config, backends = gateway.config, gateway.clients
     security = config.channel_security
     try:
-        target = await asyncio.to_thread(wait_for_model_info, config.verify_address, verify_pb2_grpc.VerifyServiceStub,
-                                         config.startup_timeout_s, security, gateway.stopping)  # fmt: skip
+        target = await asyncio.to_thread(
+            wait_for_model_info,
+            config.verify_address,
+            verify_pb2_grpc.VerifyServiceStub,
+            config.startup_timeout_s,
+            security,
+            gateway.stopping,
+        )
         draft = None
         if config.draft_address:
             try:
-                draft = await asyncio.to_thread(wait_for_model_info, config.draft_address, draft_pb2_grpc.DraftServiceStub,
-                                                config.draft_startup_wait_s, security, gateway.stopping)  # fmt: skip
+                draft = await asyncio.to_thread(
+                    wait_for_model_info,
+                    config.draft_address,
+                    draft_pb2_grpc.DraftServiceStub,
+                    config.draft_startup_wait_s,
+                    security,
+                    gateway.stopping,
+                )
             except TimeoutError as error:  # an outage of the drafts is no outage of the service
                 log.warning("%s; serving target-only rounds until the draft service answers", error)
         check_pair(target, draft, fingerprint)
@@ -220,8 +235,13 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/v1/models")
     async def models():
         served = gateway.served
-        card = {"id": served.name, "object": "model", "created": 0, "owned_by": "specserve",
-                "max_model_len": served.max_context_length}  # fmt: skip
+        card = {
+            "id": served.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "specserve",
+            "max_model_len": served.max_context_length,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")

@@ -170,9 +170,12 @@ class _Session:
         sequence before it is yielded."""
         while remaining > 0:
             request = verify_pb2.DecodeRequest(
-                session_id=self.id, num_verified=len(self.sequence), max_tokens=remaining, sampling=self.sampling,
+                session_id=self.id,
+                num_verified=len(self.sequence),
+                max_tokens=remaining,
+                sampling=self.sampling,
                 speculation=speculation.to_proto() if speculation is not None else None,
-            )  # fmt: skip
+            )
             try:
                 async with aclosing(decode(self, request, parent)) as rounds:
                     async for round_ in rounds:
@@ -194,9 +197,16 @@ class _Session:
                 token = await prefill(self)
             self.accept([token])
             remaining -= 1
-            yield Round(new_tokens=[token], k=0, num_accepted=0, batch_size=1, draft_seconds=0.0,
-                        draft_server_seconds=0.0, verify_seconds=time.perf_counter() - started,
-                        verify_server_seconds=0.0)  # fmt: skip
+            yield Round(
+                new_tokens=[token],
+                k=0,
+                num_accepted=0,
+                batch_size=1,
+                draft_seconds=0.0,
+                draft_server_seconds=0.0,
+                verify_seconds=time.perf_counter() - started,
+                verify_server_seconds=0.0,
+            )
 
     async def round(self, k: int, remaining: int) -> Round:
         proposal = await self.pipeline.proposal(k)
@@ -209,17 +219,32 @@ class _Session:
         await self.pipeline.settle(ahead, drafts, proposal.bonus_guess, response)
         if response is None:  # the verifier lost the session: prefilled again, one token
             new = [await prefill(self)]
-            return Round(new_tokens=new, k=0, num_accepted=0, batch_size=1, draft_seconds=proposal.seconds,
-                         draft_server_seconds=proposal.server_seconds, verify_seconds=time.perf_counter() - started,
-                         verify_server_seconds=0.0)  # fmt: skip
+            return Round(
+                new_tokens=new,
+                k=0,
+                num_accepted=0,
+                batch_size=1,
+                draft_seconds=proposal.seconds,
+                draft_server_seconds=proposal.server_seconds,
+                verify_seconds=time.perf_counter() - started,
+                verify_server_seconds=0.0,
+            )
         new = [*drafts[: response.num_accepted], response.next_token_id]
         wire_bytes = proposal.wire_bytes + request.ByteSize() + response.ByteSize()
-        return Round(new_tokens=new, k=len(drafts), num_accepted=response.num_accepted,
-                     batch_size=response.batch_size, draft_seconds=proposal.seconds,
-                     draft_server_seconds=proposal.server_seconds, verify_seconds=verify_s,
-                     verify_server_seconds=response.server_seconds, verify_forward_seconds=response.forward_seconds,
-                     verify_kernel_seconds=response.kernel_seconds, wire_bytes=wire_bytes,
-                     pipelined=proposal.seconds == 0 and bool(drafts))  # fmt: skip
+        return Round(
+            new_tokens=new,
+            k=len(drafts),
+            num_accepted=response.num_accepted,
+            batch_size=response.batch_size,
+            draft_seconds=proposal.seconds,
+            draft_server_seconds=proposal.server_seconds,
+            verify_seconds=verify_s,
+            verify_server_seconds=response.server_seconds,
+            verify_forward_seconds=response.forward_seconds,
+            verify_kernel_seconds=response.kernel_seconds,
+            wire_bytes=wire_bytes,
+            pipelined=proposal.seconds == 0 and bool(drafts),
+        )
 
     async def close(self) -> None:
         if self.drafter is not None:
@@ -279,13 +304,18 @@ class _Pipeline:
             self.prefetched = proposal.response
 
 
-async def _draft(drafter: DraftStream, sequence: list[int], k: int, sampling, want_bonus_guess: bool = False,
-                 guessed: list[int] = ()) -> Proposal:  # fmt: skip
+async def _draft(
+    drafter: DraftStream, sequence: list[int], k: int, sampling, want_bonus_guess: bool = False, guessed: list[int] = ()
+) -> Proposal:
     """A draft service's proposal of k tokens after sequence (after guessed too, when drafting
     ahead); no drafts (a target-only round) when the draft service fails."""
     started = time.perf_counter()
-    attributes = {"rpc.system": "grpc", "rpc.service": "specserve.v1.DraftService", "rpc.method": "Draft",
-                  "specserve.pipelined": bool(guessed)}  # fmt: skip
+    attributes = {
+        "rpc.system": "grpc",
+        "rpc.service": "specserve.v1.DraftService",
+        "rpc.method": "Draft",
+        "specserve.pipelined": bool(guessed),
+    }
     with span("specserve.v1.DraftService/Draft propose", kind=SpanKind.CLIENT, attributes=attributes):
         try:
             response = await drafter.propose(sequence, k, sampling, inject({}), want_bonus_guess, guessed)

@@ -61,8 +61,12 @@ class _Response:
 
     def full(self, text: str, token_ids: list[int], finish_reason: str | None, usage: dict) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}  # fmt: skip
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         if self.return_token_ids:
@@ -75,8 +79,12 @@ class _Response:
 def _usage(plan: GenerationPlan, assembler: TextAssembler, stats: SpeculationStats, timings: bool) -> dict:
     completion = len(assembler.token_ids)
     prompt = len(plan.prompt_token_ids)
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-             "speculation": stats.as_dict()}  # fmt: skip
+    usage = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "speculation": stats.as_dict(),
+    }
     if timings:
         usage["timings"] = stats.timings.as_dict()
     return usage

@@ -29,8 +29,9 @@ class GenerationPlan:
     def speculation(self) -> Speculation | None:
         if self.method == "none":
             return None
-        return Speculation(self.method, self.num_speculative_tokens, self.adaptive, self.k_bounds,
-                           self.min_draft_probability)  # fmt: skip
+        return Speculation(
+            self.method, self.num_speculative_tokens, self.adaptive, self.k_bounds, self.min_draft_probability
+        )
 
 
 @dataclass(frozen=True)

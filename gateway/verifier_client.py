@@ -54,8 +54,13 @@ async def call_verifier(session, method: str, request):
     while True:
         try:
             replica = session.route.current()
-            return await traced_call(replica.stub, method, request, timeout=backends.rpc_timeout_s,
-                                      wait_for_ready=len(backends.verifiers) == 1)  # fmt: skip
+            return await traced_call(
+                replica.stub,
+                method,
+                request,
+                timeout=backends.rpc_timeout_s,
+                wait_for_ready=len(backends.verifiers) == 1,
+            )
         except (grpc.aio.AioRpcError, NoReplica) as error:
             code = status_code(session, error)
             if code not in RETRIED or time.monotonic() + pause > deadline:
@@ -123,15 +128,17 @@ async def decode(session, request: verify_pb2.DecodeRequest, parent: Context | N
     server_seconds. Each token must arrive within rpc_timeout_s of the one before
     (TimeoutError otherwise); the call is cancelled when the consumer stops early, which is
     no error."""
-    call_span = start_span(f"{VERIFY_SERVICE}/Decode", kind=SpanKind.CLIENT, context=parent,
-                           attributes=_DECODE_ATTRIBUTES)  # fmt: skip
+    call_span = start_span(
+        f"{VERIFY_SERVICE}/Decode", kind=SpanKind.CLIENT, context=parent, attributes=_DECODE_ATTRIBUTES
+    )
     call, status = None, grpc.StatusCode.OK
     try:
         last = time.perf_counter()
         backends = session.backends
         stub = session.route.current().stub
-        call = stub.Decode(request, metadata=metadata_with_trace_context(call_span),
-                           wait_for_ready=len(backends.verifiers) == 1)  # fmt: skip
+        call = stub.Decode(
+            request, metadata=metadata_with_trace_context(call_span), wait_for_ready=len(backends.verifiers) == 1
+        )
         wire_bytes = request.ByteSize()  # counted with the first round
         while (response := await asyncio.wait_for(call.read(), backends.rpc_timeout_s)) is not grpc.aio.EOF:
             now = time.perf_counter()

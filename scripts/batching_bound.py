@@ -40,8 +40,15 @@ def median_seconds(call, repeats: int) -> float:
 
 def forward_costs(directory: str, row_invariant: bool, streams: int, k: int, prompt_tokens: int) -> dict:
     """Seconds of a prefill and of forwards of `streams` rows of K + 1, 2 and 1 tokens each."""
-    runner = LlamaRunner(directory, torch.device("cpu"), torch.float32, streams, prompt_tokens + 64,
-                         row_invariant=row_invariant, compile_steps=True)  # fmt: skip
+    runner = LlamaRunner(
+        directory,
+        torch.device("cpu"),
+        torch.float32,
+        streams,
+        prompt_tokens + 64,
+        row_invariant=row_invariant,
+        compile_steps=True,
+    )
     steps = runner.compiled_steps
     if steps is not None and steps.thread is not None:
         steps.thread.join()
@@ -84,13 +91,19 @@ def main() -> int:
     for name in target:
         label = f"prefill of {args.prompt_tokens}" if name == "prefill" else f"{args.streams} {name}"
         print(f"| {label} | {target[name] * 1e3:.2f} | {draft[name] * 1e3:.2f} |")
-    print(f"\ncore-ms per request: prefills {per_request['prefills'] * 1e3:.1f}, "
-          f"rounds {per_request['rounds'] * 1e3:.1f}")  # fmt: skip
+    print(
+        f"\ncore-ms per request: prefills {per_request['prefills'] * 1e3:.1f}, rounds {per_request['rounds'] * 1e3:.1f}"
+    )
     print(f"bound on {args.cores} cores: {bound:.0f} tok/s over {args.streams} streams")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"args": vars(args), "target_seconds": target, "draft_seconds": draft,
-              "per_request_seconds": per_request, "bound_tokens_per_s": bound}  # fmt: skip
+    record = {
+        "args": vars(args),
+        "target_seconds": target,
+        "draft_seconds": draft,
+        "per_request_seconds": per_request,
+        "bound_tokens_per_s": bound,
+    }
     out.write_text(json.dumps(record, indent=2))
     print(f"wrote {out}")
     return 0

@@ -67,9 +67,26 @@ def free() -> int:
 
 def start(target: str, draft: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     port, verify_metrics = free(), free()
-    command = [sys.executable, "-m", "specserve.cli", "up", "--port", str(port), "--draft-port", str(free()),
-               "--verify-port", str(free()), "--draft-metrics-port", str(free()), "--verify-metrics-port",
-               str(verify_metrics), "--target", target, "--draft", draft]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "specserve.cli",
+        "up",
+        "--port",
+        str(port),
+        "--draft-port",
+        str(free()),
+        "--verify-port",
+        str(free()),
+        "--draft-metrics-port",
+        str(free()),
+        "--verify-metrics-port",
+        str(verify_metrics),
+        "--target",
+        target,
+        "--draft",
+        draft,
+    ]
     process = subprocess.Popen(command, env={**os.environ, **env}, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -123,12 +140,19 @@ def main() -> int:
         first, second = stacks
         result = compare(args, {name: start(args.target, args.draft, env) for name, env in stacks.items()}, collector)
     ratio = result["tokens_per_s"][first] / result["tokens_per_s"][second]
-    result.update(sample_ratio=args.sample_ratio, control=args.control, uninstrumented=args.uninstrumented,
-                  ratio=f"{first}/{second}", **{f"{first}_over_{second}": ratio})  # fmt: skip
+    result.update(
+        sample_ratio=args.sample_ratio,
+        control=args.control,
+        uninstrumented=args.uninstrumented,
+        ratio=f"{first}/{second}",
+        **{f"{first}_over_{second}": ratio},
+    )
     rates, cpu = result["tokens_per_s"], result["cpu_ms_per_token"]
-    print(f"{first}: {rates[first]:.1f} tok/s, {second}: {rates[second]:.1f} tok/s, {first}/{second} = {ratio:.3f}; "
-          f"CPU ms per token {first} {cpu[first]:.2f}, {second} {cpu[second]:.2f}; "
-          f"{result['spans_received']} spans received")  # fmt: skip
+    print(
+        f"{first}: {rates[first]:.1f} tok/s, {second}: {rates[second]:.1f} tok/s, {first}/{second} = {ratio:.3f}; "
+        f"CPU ms per token {first} {cpu[first]:.2f}, {second} {cpu[second]:.2f}; "
+        f"{result['spans_received']} spans received"
+    )
     Path("bench-results").mkdir(exist_ok=True)
     suffix = "_control" if args.control else "_uninstrumented" if args.uninstrumented else ""
     Path("bench-results", f"tracing_overhead{suffix}.json").write_text(json.dumps(result, indent=2))

@@ -81,8 +81,14 @@ def main() -> None:
                 position += kept + 1
                 totals[name][0] += kept + 1
                 totals[name][1] += 1
-    rows = [{"shape": name, "nodes": shape[0] + sum(length for _, _, length in shape[1]),
-             "tokens_per_round": totals[name][0] / totals[name][1]} for name, shape in SHAPES.items()]  # fmt: skip
+    rows = [
+        {
+            "shape": name,
+            "nodes": shape[0] + sum(length for _, _, length in shape[1]),
+            "tokens_per_round": totals[name][0] / totals[name][1],
+        }
+        for name, shape in SHAPES.items()
+    ]
     print("| shape | nodes | tokens per round |\n|---|---|---|")
     for row in rows:
         print(f"| {row['shape']} | {row['nodes']} | {row['tokens_per_round']:.3f} |")

@@ -172,8 +172,9 @@ class Drafter:
         active = [item for group in groups.values() for item in group]
         for index, d in active:
             d.job.session.verified = d.verified
-            results[index] = Proposal(len(d.verified), tuple(d.drafts), tuple(d.distributions), d.bonus_guess,
-                                      len(active), started, ended)  # fmt: skip
+            results[index] = Proposal(
+                len(d.verified), tuple(d.drafts), tuple(d.distributions), d.bonus_guess, len(active), started, ended
+            )
         if self.metrics is not None and active:
             self.metrics.batch_size.observe(len(active))
             self.metrics.forward_seconds.observe((ended - started) / 1e9)

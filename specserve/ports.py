@@ -59,7 +59,10 @@ def gateway_url(url: str, program: str) -> str | None:
     try:
         httpx.get(f"{base}/health", timeout=5)
     except httpx.HTTPError as error:
-        print(f"{program}: no gateway answers at {base} ({type(error).__name__}); start one with `specserve up` "
-              "or pass --url of a running one", file=sys.stderr)  # fmt: skip
+        print(
+            f"{program}: no gateway answers at {base} ({type(error).__name__}); start one with `specserve up` "
+            "or pass --url of a running one",
+            file=sys.stderr,
+        )
         return None
     return base

@@ -60,11 +60,13 @@ def colocated_drafting(config: VerifyConfig, target: LoadedModel, metrics: Servi
     models = {}
     if config.draft_model:
         # A draft need not be bitwise row-independent: verification keeps the output exact.
-        models["draft_model"] = load_for_service(config, config.draft_model, row_invariant=False,
-                                                 compile_steps=config.compile_steps)  # fmt: skip
+        models["draft_model"] = load_for_service(
+            config, config.draft_model, row_invariant=False, compile_steps=config.compile_steps
+        )
     if config.early_exit_layers:
-        models["early_exit"] = load_for_service(config, config.model, config.early_exit_layers, row_invariant=False,
-                                                compile_steps=config.compile_steps)  # fmt: skip
+        models["early_exit"] = load_for_service(
+            config, config.model, config.early_exit_layers, row_invariant=False, compile_steps=config.compile_steps
+        )
     options = DraftOptions.of(config, target)  # the target's vocabulary: drafts are verified against it
     drafter_metrics = ServiceMetrics("drafter", metrics.registry)
     drafter_metrics.count_compiling(models)

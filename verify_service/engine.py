@@ -125,8 +125,11 @@ class Verifier:
                     self._release(row.session_id)
             raise
         for (index, row), (num_accepted, next_token) in zip(rows, decisions):
-            row_timing = timing if not row.drafted_locally else {**timing, "draft_started_ns": drafted.started_ns,
-                                                                 "draft_ended_ns": drafted.ended_ns}  # fmt: skip
+            row_timing = (
+                timing
+                if not row.drafted_locally
+                else {**timing, "draft_started_ns": drafted.started_ns, "draft_ended_ns": drafted.ended_ns}
+            )
             outcome = dataclasses.replace(self._commit(row, num_accepted, next_token), **row_timing)
             job = jobs[index]
             results[index] = self._decoded(job, outcome) if isinstance(job, DecodeJob) else outcome
@@ -159,8 +162,11 @@ class Verifier:
         )
         if done:
             return outcome
-        return Again(dataclasses.replace(job, num_verified=outcome.num_verified, max_tokens=job.max_tokens - made,
-                                         session=session))  # fmt: skip
+        return Again(
+            dataclasses.replace(
+                job, num_verified=outcome.num_verified, max_tokens=job.max_tokens - made, session=session
+            )
+        )
 
     def _observe(self, rows: int, forward_seconds: float) -> None:
         if self.metrics is not None:
@@ -219,8 +225,10 @@ class Verifier:
         """The session's colocated drafting for a speculative decode (its first round: opened
         or, for other settings, replaced; a new call's rounds time themselves afresh)."""
         methods = self.local.methods if self.local is not None else ("none",)
-        require(job.speculation.method in methods,
-                f"this verifier drafts for {', '.join(methods)}, not {job.speculation.method}")  # fmt: skip
+        require(
+            job.speculation.method in methods,
+            f"this verifier drafts for {', '.join(methods)}, not {job.speculation.method}",
+        )
         require(
             job.speculation.num_speculative_tokens <= self.config.max_speculative_tokens,
             f"at most {self.config.max_speculative_tokens} draft tokens per round",

@@ -116,16 +116,20 @@ class LocalDrafting:
         ids, distributions = proposal.draft_token_ids, proposal.draft_distributions
         if self._larger_vocabulary:
             vocab = self.drafter.options.vocab_size
-            outside = [i for i, token in enumerate(ids) if token >= vocab or
-                       (distributions and max(distributions[i].token_ids) >= vocab)]  # fmt: skip
+            outside = [
+                i
+                for i, token in enumerate(ids)
+                if token >= vocab or (distributions and max(distributions[i].token_ids) >= vocab)
+            ]
             keep = outside[0] if outside else len(ids)
             ids, distributions = ids[:keep], distributions[:keep]
         return LocalProposal(ids, distributions)
 
     def _job(self, drafts: SessionDrafts, verified: list[int], k: int, sampling) -> DraftJob:
         known = len(drafts.draft.verified)  # a prefix of verified: the session only grows
-        return DraftJob(drafts.draft, tuple(verified[known:]), len(verified), k, sampling,
-                        drafts.speculation.min_draft_probability)  # fmt: skip
+        return DraftJob(
+            drafts.draft, tuple(verified[known:]), len(verified), k, sampling, drafts.speculation.min_draft_probability
+        )
 
     def _step(self, jobs: list[DraftJob]) -> list:
         """Each job's Proposal or error; a failure of the drafting itself (the drafter has

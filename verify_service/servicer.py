@@ -49,8 +49,12 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         attributes = {"specserve.batch_size": outcome.batch_size}
         if outcome.draft_started_ns:  # a round drafted here (colocated)
             record_span("verifier.queue", waiting_since_ns, max(waiting_since_ns, outcome.draft_started_ns))
-            record_span("draft.forward", outcome.draft_started_ns, outcome.draft_ended_ns,
-                        {"specserve.k": outcome.num_draft_tokens})  # fmt: skip
+            record_span(
+                "draft.forward",
+                outcome.draft_started_ns,
+                outcome.draft_ended_ns,
+                {"specserve.k": outcome.num_draft_tokens},
+            )
         else:
             record_span("verifier.queue", waiting_since_ns, max(waiting_since_ns, outcome.batch_started_ns))
         record_span("target.forward", outcome.batch_started_ns, outcome.forward_ended_ns, attributes)
@@ -93,8 +97,15 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
 
         sampling = _sampling_of(request)
         speculation = Speculation.from_proto(request.speculation) if request.HasField("speculation") else None
-        job = DecodeJob(request.session_id, request.num_verified, request.max_tokens, sampling, made.put, ended,
-                        speculation=speculation)  # fmt: skip
+        job = DecodeJob(
+            request.session_id,
+            request.num_verified,
+            request.max_tokens,
+            sampling,
+            made.put,
+            ended,
+            speculation=speculation,
+        )
         self._metrics.queue_depth.set(self._batcher.pending)
         since = time.time_ns()  # the previous token's decision; the call's arrival for the first
         future = self._batcher.submit_async(job)

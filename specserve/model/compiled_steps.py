@@ -63,8 +63,13 @@ def _make_step(runner):
     heads, kv_heads, d, window = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.sliding_window or 0
     scale = 1 / math.sqrt(d)
     embed, norm, lm_head, layers, cos_table, sin_table = (
-        runner.embed, runner.norm, runner.lm_head, runner.layers, runner._cos, runner._sin
-    )  # fmt: skip
+        runner.embed,
+        runner.norm,
+        runner.lm_head,
+        runner.layers,
+        runner._cos,
+        runner._sin,
+    )
 
     def step(
         k_cache: list[torch.Tensor],  # per layer [slots, kv_heads, max_len + KEY_BLOCK, d]: writes the new keys

@@ -112,13 +112,27 @@ def load_model(
     if num_layers is not None and backend == "transformers":
         raise ValueError("early exit (num_layers) needs the runner backend")
     loaded_backend = _load_backend(
-        directory, config, device, dtype, backend, num_slots, max_model_len, matmul, num_layers, row_invariant,
+        directory,
+        config,
+        device,
+        dtype,
+        backend,
+        num_slots,
+        max_model_len,
+        matmul,
+        num_layers,
+        row_invariant,
         compile_steps,
-    )  # fmt: skip
+    )
     log.info(
         "loaded %s with the %s backend (%s, %s%s) in %.1f s",
-        directory, loaded_backend.name, device, dtype, _matmul_note(loaded_backend, dtype), time.perf_counter() - started,
-    )  # fmt: skip
+        directory,
+        loaded_backend.name,
+        device,
+        dtype,
+        _matmul_note(loaded_backend, dtype),
+        time.perf_counter() - started,
+    )
     return LoadedModel(
         backend=loaded_backend,
         tokenizer=tokenizer,
@@ -158,9 +172,16 @@ def _load_backend(
     if backend in ("auto", "runner"):
         try:
             runner = LlamaRunner(
-                str(directory), device, dtype, num_slots, max_model_len, matmul_dtype, num_layers,
-                row_invariant=row_invariant, compile_steps=compile_steps,
-            )  # fmt: skip
+                str(directory),
+                device,
+                dtype,
+                num_slots,
+                max_model_len,
+                matmul_dtype,
+                num_layers,
+                row_invariant=row_invariant,
+                compile_steps=compile_steps,
+            )
             return RunnerBackend(runner)
         except UnsupportedModel as error:
             if backend == "runner" or num_layers is not None:

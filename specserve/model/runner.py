@@ -99,8 +99,10 @@ class LlamaRunner:
         spec = self.spec
         shapes = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.sliding_window)
         if self.device.type == "cuda" and not attention_kernels.triton_kernel_works(self.device, self.dtype, *shapes):
-            log.warning("the Triton attention kernel failed its check on this GPU: decode and verify attention run "
-                        "one SDPA call per token instead (slower, as exact)")  # fmt: skip
+            log.warning(
+                "the Triton attention kernel failed its check on this GPU: decode and verify attention run "
+                "one SDPA call per token instead (slower, as exact)"
+            )
             return exact_attention_reference
         return attention_kernels.exact_attention
 
@@ -219,8 +221,9 @@ class LlamaRunner:
         if short:
             token_slots = [slots[b] for b in short for _ in tokens[b]]
             positions = [starts[b] + i for b in short for i in range(len(tokens[b]))]
-            logits, argmax = self.compiled_steps.step_with_argmax(token_slots, positions,
-                                                                  [t for b in short for t in tokens[b]])  # fmt: skip
+            logits, argmax = self.compiled_steps.step_with_argmax(
+                token_slots, positions, [t for b in short for t in tokens[b]]
+            )
             argmax, end = argmax.tolist(), 0
             for b in short:
                 end += len(tokens[b])
@@ -307,8 +310,16 @@ class LlamaRunner:
             if not layout.exact:
                 return self._attention_masked(q, k_cache, v_cache, layout)
             scale = 1 / math.sqrt(spec.head_dim)
-            out = self._exact_attention(q, k_cache, v_cache, layout.token_slots, layout.token_positions,
-                                        spec.sliding_window, scale, layout.kv_len)  # fmt: skip
+            out = self._exact_attention(
+                q,
+                k_cache,
+                v_cache,
+                layout.token_slots,
+                layout.token_positions,
+                spec.sliding_window,
+                scale,
+                layout.kv_len,
+            )
             return out.reshape(-1, spec.num_heads * spec.head_dim)  # [T, heads d]
 
         return attend

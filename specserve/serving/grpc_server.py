@@ -274,9 +274,16 @@ def run_service(
     servicer = add_health_and_reflection(server, [service_name])
     health_server = start_health_port(servicer, config.address.rsplit(":", 1)[0], config.health_port)
     serve_until_signalled(
-        server, servicer, [service_name], config.address, config.grace_s, credentials,
-        main_loop=batcher.run if batcher else None, on_stopped=batcher.close if batcher else None, ready=ready,
-    )  # fmt: skip
+        server,
+        servicer,
+        [service_name],
+        config.address,
+        config.grace_s,
+        credentials,
+        main_loop=batcher.run if batcher else None,
+        on_stopped=batcher.close if batcher else None,
+        ready=ready,
+    )
     if health_server is not None:
         health_server.stop(0)
     if tracing is not None:

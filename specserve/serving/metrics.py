@@ -135,6 +135,10 @@ class ServiceMetrics:
         """specserve:drafter_compiling_steps: how many of these models (a drafter's) are
         building compiled steps (at start-up) or a greedy run (when first asked for), their
         eager forward or one-token steps serving meanwhile."""
-        compiling = Gauge("specserve:drafter_compiling_steps", "Draft models building compiled steps or greedy runs "
-                          "(the eager forward or one-token steps serve meanwhile).", registry=self.registry)  # fmt: skip
+        compiling = Gauge(
+            "specserve:drafter_compiling_steps",
+            "Draft models building compiled steps or greedy runs "
+            "(the eager forward or one-token steps serve meanwhile).",
+            registry=self.registry,
+        )
         compiling.set_function(lambda: sum(m.backend.compiling for m in models.values()))

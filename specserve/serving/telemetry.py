@@ -89,9 +89,13 @@ def rpc_span(kind: SpanKind, full_method: str, parent: context.Context | None = 
     service, _, method = full_method.lstrip("/").rpartition("/")
     attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
     with tracer().start_as_current_span(
-        f"{service}/{method}", context=parent, kind=kind, attributes=attributes,
-        record_exception=False, set_status_on_exception=False,
-    ) as span:  # fmt: skip
+        f"{service}/{method}",
+        context=parent,
+        kind=kind,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
         yield span
 
 

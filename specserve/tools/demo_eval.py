@@ -84,8 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         for k in (2, 4, 8):
             rows.append(acceptance(args.url, prompts, k, temperature, args.max_tokens))
             row = rows[-1]
-            print(f"K={k} T={temperature}: mean accepted length {row['mean_accepted_length']:.2f} "
-                  f"(acceptance {row['acceptance_rate']:.2f}, {row['rounds']} rounds)", flush=True)  # fmt: skip
+            print(
+                f"K={k} T={temperature}: mean accepted length {row['mean_accepted_length']:.2f} "
+                f"(acceptance {row['acceptance_rate']:.2f}, {row['rounds']} rounds)",
+                flush=True,
+            )
     headers = header_check(args.url, function_headers(50), 64)
     print(
         f"greedy 64-token continuations of {headers['headers']} held-out headers that tokenize: {headers['tokenize_ok']}"

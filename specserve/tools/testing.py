@@ -44,9 +44,18 @@ def llama_config(vocab_size: int, hidden: int, layers: int, max_positions: int =
     )
 
 
-def save_pair(directory: Path, *, hidden: int = 64, layers: int = 2, draft_layers: int = 1, sharpness: float = 20.0,
-              late_layer_scale: float = 0.5, seed: int = 0, mismatched: bool = False,
-              max_positions: int = 512) -> tuple[Path, Path]:  # fmt: skip
+def save_pair(
+    directory: Path,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    draft_layers: int = 1,
+    sharpness: float = 20.0,
+    late_layer_scale: float = 0.5,
+    seed: int = 0,
+    mismatched: bool = False,
+    max_positions: int = 512,
+) -> tuple[Path, Path]:
     """A random target and a draft made of the target's first draft_layers layers, so the two
     agree often but not always. sharpness scales the output layer so that a few tokens hold
     most of the mass, as in trained models; late_layer_scale shrinks what the target's later
