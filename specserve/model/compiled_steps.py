@@ -40,11 +40,11 @@ log = logging.getLogger(__name__)
 
 
 def _call_onednn_linear_as_is() -> None:
-    """Makes inductor call oneDNN's product with a prepacked matrix (the runner's _Linear) as
+    """Makes inductor call oneDNN's product with a prepacked matrix (the runner's Linear) as
     it is, from the compiled code: its own lowering of that op takes only matrices it froze
-    itself. Wrapping the op in a custom op of ours instead cost about 17 us of Python a
-    product (9 in a demo draft's step, 25 in a demo target's). Results are bitwise the op's
-    own. Affects only this process's compiles, which are all ours."""
+    itself. Wrapping the op in a custom op of ours instead cost Python time at every product
+    (docs/benchmarks.md, "Compiled steps without Python between products"). Results are
+    bitwise the op's own. Affects only this process's compiles, which are all ours."""
     from torch._inductor import lowering
 
     op = torch.ops.mkldnn._linear_pointwise.default
@@ -106,8 +106,8 @@ def _make_step(runner):
 
 
 # A draft's greedy steps after a round's catch-up run as one compiled call of up to this many
-# steps (greedy_run), one graph per count, for one session: each compiled call costs some
-# 0.1 ms of Python and guards besides its loops, a third of a demo draft step.
+# steps (greedy_run), one graph per count, for one session: each compiled call costs Python
+# and guard checks besides its loops, a third of a demo draft step (docs/benchmarks.md).
 GREEDY_RUN_STEPS = 7
 
 

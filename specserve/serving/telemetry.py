@@ -52,8 +52,8 @@ def setup_tracing(default_service_name: str, console: bool, sample_ratio: float)
 
 @cache
 def tracer() -> trace.Tracer:
-    """The project's tracer, made once (the SDK builds a new one on every get_tracer call,
-    ~10 us). Made before setup_tracing it is the API's proxy, which follows the provider set later."""
+    """The project's tracer, made once (the SDK builds a new one on every get_tracer call).
+    Made before setup_tracing it is the API's proxy, which follows the provider set later."""
     return trace.get_tracer(TRACER_NAME)
 
 
@@ -80,8 +80,8 @@ def start_span(name: str, **options) -> Span:
 
 
 # RPC spans are made here rather than by the generic grpc instrumentation's interceptors:
-# those cost 150-200 us a call on each side here (measured on a loopback unary call of about
-# 600 us), sampled or not, and a round makes two calls.
+# those cost a large share of a loopback call on each side, sampled or not, and a round makes
+# two calls (docs/benchmarks.md, "Tracing, load and fuzzing").
 @contextmanager
 def rpc_span(kind: SpanKind, full_method: str, parent: context.Context | None = None) -> Iterator[Span]:
     """The span of one RPC, full_method as "/package.Service/Method": rpc.system, rpc.service,
