@@ -76,18 +76,23 @@ def _rejection_sample_kernel(
         # -1 on padding lanes: every real score is >= 0, so padding never wins.
         residual_score = tl.where(in_vocab, residual / noise, -1.0)
         p_score = tl.where(in_vocab, p / noise, -1.0)
-        block_best, block_id = tl.max(residual_score, axis=0, return_indices=True)
-        # Strictly greater: an earlier tile keeps ties, so the result is the first argmax.
-        if block_best > best_residual:
-            best_residual = block_best
-            best_residual_id = start + block_id
-        block_best, block_id = tl.max(p_score, axis=0, return_indices=True)
-        if block_best > best_p:
-            best_p = block_best
-            best_p_id = start + block_id
+        best_residual, best_residual_id = first_max(residual_score, start, best_residual, best_residual_id)
+        best_p, best_p_id = first_max(p_score, start, best_p, best_p_id)
 
     next_token = tl.where(is_rejection & (residual_max > 0.0), best_residual_id, best_p_id)
     _store_row(output_ptr, num_accepted_ptr, row, k_max, ks, drafts, num_accepted, next_token)
+
+
+@triton.jit
+def first_max(scores, start, best, best_id):
+    """The running (max, first index) over vocabulary tiles, updated with the tile of scores
+    that starts at start. Strictly greater: an earlier tile keeps ties, so the result is the
+    first argmax, as torch.argmax's."""
+    block_best, block_id = tl.max(scores, axis=0, return_indices=True)
+    if block_best > best:
+        best = block_best
+        best_id = start + block_id
+    return best, best_id
 
 
 @triton.jit

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve_kernels.rejection_triton import first_max
+
 VOCAB_BLOCK = 1024
 
 
@@ -100,14 +102,8 @@ def _tree_rejection_sample_kernel(
         w_max = tl.maximum(w_max, tl.max(tl.where(in_vocab, w, 0.0), axis=0))
         w_score = tl.where(in_vocab, w / noise, -1.0)  # -1 on padding: real scores are >= 0
         p_score = tl.where(in_vocab, p / noise, -1.0)
-        block_best, block_id = tl.max(w_score, axis=0, return_indices=True)
-        if block_best > best_w:  # strictly: an earlier tile keeps ties (the first argmax)
-            best_w = block_best
-            best_w_id = start + block_id
-        block_best, block_id = tl.max(p_score, axis=0, return_indices=True)
-        if block_best > best_p:
-            best_p = block_best
-            best_p_id = start + block_id
+        best_w, best_w_id = first_max(w_score, start, best_w, best_w_id)
+        best_p, best_p_id = first_max(p_score, start, best_p, best_p_id)
     next_token = tl.where(w_max > 0.0, best_w_id, best_p_id)
     tl.store(output_ptr + row * (d_max + 1) + depth, next_token)
     tl.store(num_accepted_ptr + row, depth)
