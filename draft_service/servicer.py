@@ -15,6 +15,7 @@ from specserve.sampling import SamplingParams
 from specserve.serving.batching import Batcher
 from specserve.serving.metrics import ServiceMetrics
 from specserve.serving.telemetry import record_span, span
+from specserve.speculation import tree_of
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -44,6 +45,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     draft_seconds=time.perf_counter() - started,
                     batch_size=proposal.batch_size,
                     bonus_guess=proposal.bonus_guess,
+                    draft_parents=proposal.draft_parents,
                 )
         finally:
             if session is not None:
@@ -59,6 +61,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             sampling=SamplingParams.from_proto(request.sampling),
             min_draft_probability=request.min_draft_probability,
             want_bonus_guess=request.want_bonus_guess,
+            tree=tree_of(request.tree),
         )
         attributes = {
             "rpc.system": "grpc",

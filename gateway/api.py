@@ -17,6 +17,7 @@ from gateway.clients import ServedModel
 from gateway.config import GatewayConfig
 from gateway.rounds import GenerationPlan
 from specserve.sampling import SamplingParams, sampling_problem
+from specserve.trees import TreeShape, TreeShapeError
 
 
 class ApiError(Exception):
@@ -55,6 +56,9 @@ class Speculation(BaseModel):
     adaptive: bool | None = None
     min_draft_probability: float | None = None
     pipeline: bool | None = None
+    # A token tree each round drafts: children per depth ([3, 2, 1]) or paths of ranks
+    # ([[0], [0, 0], [1]]) (specserve/trees.py).
+    tree: list[int] | list[list[int]] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -287,6 +291,7 @@ def plan_for(
     # its method whatever the load, and a K that no timing chooses.
     seeded_sampled = request.temperature != 0 and request.seed is not None
     adaptive = defaults.adaptive if speculation.adaptive is None else speculation.adaptive
+    tree = _tree(speculation.tree, defaults.tree, method, served)
     return GenerationPlan(
         prompt_token_ids=prompt_token_ids,
         max_tokens=max_tokens,
@@ -302,7 +307,29 @@ def plan_for(
         local=method in served.local_methods,
         pipeline=defaults.pipeline if speculation.pipeline is None else speculation.pipeline,
         yields_to_load=not seeded_sampled,
+        tree=tree,
     )
+
+
+def _tree(asked, default: str, method: str, served: ServedModel) -> TreeShape | None:
+    """The request's token tree: asked, or the gateway's default for the model methods; a
+    400 for a shape that is not one or does not fit."""
+    if asked is None:
+        return TreeShape.parse(default) if default and method in ("draft_model", "early_exit") else None
+    if method not in ("draft_model", "early_exit"):
+        raise bad_request(
+            f"a token tree needs a draft model (draft_model or early_exit), not {method}", "speculation.tree"
+        )
+    try:
+        tree = TreeShape.parse(asked)
+    except TreeShapeError as error:
+        raise bad_request(f"speculation.tree: {error}", "speculation.tree") from None
+    if len(tree) > served.max_speculative_tokens:
+        raise bad_request(
+            f"speculation.tree has {len(tree)} nodes; at most {served.max_speculative_tokens} draft tokens per round",
+            "speculation.tree",
+        )
+    return tree
 
 
 def _checked_lengths(request: _GenerationRequest, prompt_token_ids: list[int], served: ServedModel) -> int:

@@ -11,6 +11,7 @@ import grpc
 
 from gateway.replicas import DNS_SCHEME, ReplicaSet, Route, split_addresses
 from specserve.speculation import Shared
+from specserve.trees import TreeShape
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2_grpc
 
 
@@ -214,6 +215,7 @@ class DraftStream:
         trace_context: dict[str, str],
         want_bonus_guess: bool = False,
         guessed: list[int] | tuple[int, ...] = (),
+        tree: TreeShape | None = None,
     ) -> draft_pb2.DraftResponse:
         """Drafts after sequence, or, for a pipelined round, after sequence + guessed (tokens
         not yet verified: the service is rewound past them unless confirm() says they held).
@@ -231,6 +233,7 @@ class DraftStream:
             method=self._method,
             min_draft_probability=self._min_draft_probability,
             want_bonus_guess=want_bonus_guess,
+            tree=tree.to_proto() if tree is not None else None,
         )
         self.last_request_bytes = request.ByteSize()
         timeout_s = self._backends.deadlines.draft_timeout_s

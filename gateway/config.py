@@ -7,6 +7,7 @@ from gateway.replicas import split_addresses
 from specserve.config import TracingOptions, check, field
 from specserve.paths import DEMO_TARGET
 from specserve.serving.tls import channel_credentials, channel_options
+from specserve.trees import TreeShape, TreeShapeError
 
 METHODS = ("draft_model", "early_exit", "ngram", "none")
 
@@ -41,6 +42,12 @@ class GatewayConfig(TracingOptions):
     )
     adaptive_k_max: int = field(8, "largest K the adaptive choice takes")
     pipeline: bool = field(False, "draft round r + 1 while round r is verified, when a request does not say")
+    tree: str = field(
+        "",
+        "a token tree for the model methods' rounds when a request sets no speculation.tree: children per depth "
+        "('2,1,1') or paths of ranks ('[[0],[0,0],[1]]'); with adaptive, each round takes the tree or a chain, "
+        "whichever gives more tokens per second; empty: chains",
+    )
     min_draft_probability: float = field(
         0.0, "stop drafting once the draft's top probability falls below this (0: never)"
     )
@@ -96,6 +103,11 @@ class GatewayConfig(TracingOptions):
         check(0 <= self.adaptive_k_min <= self.adaptive_k_max, "need 0 <= adaptive_k_min <= adaptive_k_max")
         check(self.adaptive_k_max >= 1, "adaptive_k_max must be >= 1")
         check(0 <= self.min_draft_probability <= 1, "min_draft_probability must lie in [0, 1]")
+        if self.tree:
+            try:
+                TreeShape.parse(self.tree)
+            except TreeShapeError as error:
+                raise ValueError(f"tree: {error}") from None
         check(self.startup_timeout_s > 0, "startup_timeout_s must be > 0")
         check(self.draft_startup_wait_s >= 0, "draft_startup_wait_s must be >= 0")
         for name in ("verify_address", "draft_address"):

@@ -35,6 +35,7 @@ from specserve.serving.logs import RateLimitedLog
 from specserve.serving.metrics import GatewayMetrics
 from specserve.serving.telemetry import inject, span
 from specserve.speculation import KChooser, Speculation
+from specserve.trees import TreeShape
 from specserve.v1 import draft_pb2, verify_pb2
 
 __all__ = ["GenerationPlan", "SpeculationStats", "generate"]
@@ -82,7 +83,7 @@ async def generate(
                     return
                 continue
             with span("round", context=parent) as round_span:
-                round_ = await session.round(session.k, remaining=remaining)
+                round_ = await session.round(session.k, remaining=remaining, tree=session.tree)
                 if round_span.is_recording():
                     round_span.set_attributes(round_attributes(round_))
             account(round_, stats, metrics)
@@ -119,6 +120,7 @@ class _Session:
         self.drafted_rounds = 0
         self.last_k = 0  # the K of the round before
         self.k = 0  # the next remote round's K
+        self.tree: TreeShape | None = None  # the next remote round's tree, where it is one
         self.stretch = TARGET_ONLY_STRETCH[0]
         self.pipeline = _Pipeline(self)  # drafting ahead: a draft service's rounds only
 
@@ -142,7 +144,8 @@ class _Session:
             wanted, self.stretch = min(self.stretch, remaining), min(2 * self.stretch, TARGET_ONLY_STRETCH[1])
             return None, wanted
         self.stretch = TARGET_ONLY_STRETCH[0]
-        self.k = self.chooser.next_k(remaining)
+        choice = self.chooser.next_round(remaining)
+        self.k, self.tree = choice.k, choice.tree
         if self.k == 0:  # drafts do not pay now: target-only tokens until the chooser tries again
             self.pipeline.forget()
             return None, min(remaining, max(1, self.chooser.target_only_tokens))
@@ -159,7 +162,7 @@ class _Session:
             draft = round_.draft_server_seconds if usual else None
             self.drafted_rounds += round_.k > 0
             self.last_k = round_.k
-            self.chooser.observe(round_.k, round_.num_accepted, draft, verify, round_.seconds)
+            self.chooser.observe(round_.k, round_.num_accepted, draft, verify, round_.seconds, round_.tree)
 
     async def decode(
         self, remaining: int, parent: Context | None, speculation: Speculation | None = None
@@ -208,12 +211,13 @@ class _Session:
                 verify_server_seconds=0.0,
             )
 
-    async def round(self, k: int, remaining: int) -> Round:
-        proposal = await self.pipeline.proposal(k)
+    async def round(self, k: int, remaining: int, tree: TreeShape | None = None) -> Round:
+        """A round of a draft service's: k drafts, or the tree (not drafted ahead)."""
+        proposal = await self.pipeline.proposal(k, tree)
         drafts = proposal.drafts
         started = time.perf_counter()
-        verifying = asyncio.ensure_future(verify(self, drafts, proposal.distributions))
-        ahead = self.pipeline.draft_ahead(drafts, proposal.bonus_guess, remaining)
+        verifying = asyncio.ensure_future(verify(self, drafts, proposal.distributions, proposal.parents))
+        ahead = self.pipeline.draft_ahead(drafts, proposal.bonus_guess, remaining) if not proposal.parents else None
         request, response = await verifying
         verify_s = time.perf_counter() - started
         await self.pipeline.settle(ahead, drafts, proposal.bonus_guess, response)
@@ -229,7 +233,8 @@ class _Session:
                 verify_seconds=time.perf_counter() - started,
                 verify_server_seconds=0.0,
             )
-        new = [*drafts[: response.num_accepted], response.next_token_id]
+        kept = response.accepted_token_ids if proposal.parents else drafts[: response.num_accepted]
+        new = [*kept, response.next_token_id]
         wire_bytes = proposal.wire_bytes + request.ByteSize() + response.ByteSize()
         return Round(
             new_tokens=new,
@@ -244,6 +249,7 @@ class _Session:
             verify_kernel_seconds=response.kernel_seconds,
             wire_bytes=wire_bytes,
             pipelined=proposal.seconds == 0 and bool(drafts),
+            tree=bool(proposal.parents),
         )
 
     async def close(self) -> None:
@@ -266,10 +272,10 @@ class _Pipeline:
     def forget(self) -> None:
         self.prefetched = None
 
-    async def proposal(self, k: int) -> Proposal:
-        """The proposal drafted ahead if there is one, else a fresh one (none for k = 0)."""
+    async def proposal(self, k: int, tree: TreeShape | None = None) -> Proposal:
+        """The proposal drafted ahead if there is one (for a chain), else a fresh one (none for k = 0)."""
         session = self.session
-        if self.prefetched is not None and k > 0:
+        if self.prefetched is not None and k > 0 and tree is None:
             ahead, self.prefetched = self.prefetched, None
             drafts = list(ahead.draft_token_ids[:k])
             guess = ahead.bonus_guess if len(drafts) == len(ahead.draft_token_ids) else -1
@@ -277,6 +283,8 @@ class _Pipeline:
         self.prefetched = None
         if k == 0:
             return Proposal([], [], -1, 0.0, 0.0, 0)
+        if tree is not None:
+            return await _draft(session.drafter, session.sequence, k, session.sampling, tree=tree)
         return await _draft(session.drafter, session.sequence, k, session.sampling, session.plan.pipeline)
 
     def draft_ahead(self, drafts: list[int], guess: int, remaining: int) -> asyncio.Future | None:
@@ -305,10 +313,16 @@ class _Pipeline:
 
 
 async def _draft(
-    drafter: DraftStream, sequence: list[int], k: int, sampling, want_bonus_guess: bool = False, guessed: list[int] = ()
+    drafter: DraftStream,
+    sequence: list[int],
+    k: int,
+    sampling,
+    want_bonus_guess: bool = False,
+    guessed: list[int] = (),
+    tree: TreeShape | None = None,
 ) -> Proposal:
     """A draft service's proposal of k tokens after sequence (after guessed too, when drafting
-    ahead); no drafts (a target-only round) when the draft service fails."""
+    ahead), or of a tree of k nodes; no drafts (a target-only round) when the draft service fails."""
     started = time.perf_counter()
     attributes = {
         "rpc.system": "grpc",
@@ -318,7 +332,7 @@ async def _draft(
     }
     with span("specserve.v1.DraftService/Draft propose", kind=SpanKind.CLIENT, attributes=attributes):
         try:
-            response = await drafter.propose(sequence, k, sampling, inject({}), want_bonus_guess, guessed)
+            response = await drafter.propose(sequence, k, sampling, inject({}), want_bonus_guess, guessed, tree)
         except (grpc.RpcError, RuntimeError, TimeoutError, NoReplica) as error:
             _draft_failures.warning("draft failed (%s); this round runs target-only", describe(error))
             drafter.reset()
@@ -331,4 +345,5 @@ async def _draft(
         server_seconds=response.draft_seconds,
         wire_bytes=drafter.last_request_bytes + response.ByteSize(),
         response=response,
+        parents=list(response.draft_parents) if response.draft_parents else None,
     )

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from specserve.sampling import SamplingParams
 from specserve.speculation import Speculation
+from specserve.trees import TreeShape
 from specserve.v1 import draft_pb2, verify_pb2
 
 
@@ -24,13 +25,19 @@ class GenerationPlan:
     pipeline: bool = False  # draft round r + 1 while round r is verified (a draft service's rounds)
     yields_to_load: bool = True  # decodes target-only while crowded() (a seeded sampled request does not)
     local: bool = False  # the verifier drafts for this method itself: all rounds in one Decode stream
+    tree: TreeShape | None = None  # each round a token tree of this shape (adaptive: where it pays)
 
     @property
     def speculation(self) -> Speculation | None:
         if self.method == "none":
             return None
         return Speculation(
-            self.method, self.num_speculative_tokens, self.adaptive, self.k_bounds, self.min_draft_probability
+            self.method,
+            self.num_speculative_tokens,
+            self.adaptive,
+            self.k_bounds,
+            self.min_draft_probability,
+            self.tree,
         )
 
 
@@ -51,6 +58,7 @@ class Round:
     verify_kernel_seconds: float = 0.0
     wire_bytes: int = 0
     pipelined: bool = False  # drafted during the previous round's verification
+    tree: bool = False  # its drafts were a token tree (k its nodes, num_accepted the depth kept)
 
     @property
     def wire_seconds(self) -> float:
@@ -72,6 +80,7 @@ class Proposal:
     server_seconds: float  # the service's own drafting
     wire_bytes: int  # both ways
     response: draft_pb2.DraftResponse | None = None
+    parents: list[int] | None = None  # a token tree's: each draft's parent (0 the root)
 
 
 # Target-only stretches of a speculative request (a draft service that failed, or too many
@@ -97,12 +106,14 @@ def decoded_round(response: verify_pb2.DecodeResponse, seconds: float, wire_byte
         verify_forward_seconds=response.forward_seconds,
         verify_kernel_seconds=response.kernel_seconds,
         wire_bytes=wire_bytes,
+        tree=response.tree,
     )
 
 
 def round_attributes(round_: Round) -> dict:
     return {
         "specserve.k": round_.k,
+        "specserve.tree": round_.tree,
         "specserve.num_accepted": round_.num_accepted,
         "specserve.batch_size": round_.batch_size,
         "specserve.draft_seconds": round_.draft_seconds,

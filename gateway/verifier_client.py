@@ -102,15 +102,17 @@ def move(session) -> bool:
 
 
 async def verify(
-    session, drafts: list[int], distributions: list
+    session, drafts: list[int], distributions: list, parents: list[int] | None = None
 ) -> tuple[verify_pb2.VerifyRequest, verify_pb2.VerifyResponse | None]:
-    """The request and the verifier's answer, None when it no longer holds the session as we do."""
+    """The request and the verifier's answer, None when it no longer holds the session as we
+    do. parents: a token tree's (None: the drafts are a chain)."""
     request = verify_pb2.VerifyRequest(
         session_id=session.id,
         num_verified=len(session.sequence),
         draft_token_ids=drafts,
         draft_distributions=distributions,
         sampling=session.sampling,
+        draft_parents=parents or (),
     )
     try:
         return request, await call_verifier(session, "Verify", request)

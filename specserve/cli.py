@@ -125,15 +125,7 @@ def _parser() -> argparse.ArgumentParser:
         f"{CPU_MAX_SPECULATING_REQUESTS} when the models run on the CPU, else 0)",
     )
     up_parser.add_argument("--startup-timeout", type=float, default=300, help="seconds to wait for readiness")
-    # The gateway's request defaults (what a request that does not say gets), passed on.
-    up_parser.add_argument("--method", choices=("draft_model", "early_exit", "ngram", "none"), default=None,
-                           help="speculation method of requests that set none (the gateway's default: draft_model)")  # fmt: skip
-    up_parser.add_argument("--num-speculative-tokens", type=int, default=None,
-                           help="K of requests that set none, where adaptive K starts (the gateway's default: 4)")  # fmt: skip
-    up_parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
-                           help="choose each round's K by measured cost, for requests that do not say (default on)")  # fmt: skip
-    up_parser.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
-                           help="pipeline a draft service's rounds, for requests that do not say (default off)")  # fmt: skip
+    _add_request_defaults(up_parser)
     up_parser.add_argument("--trace-console", action="store_true", help="every part prints its spans to stderr")
     for name in SERVICE_MODULES:
         commands.add_parser(name, help=f"run only the {name} service (`specserve {name} --help`)", add_help=False)
@@ -152,6 +144,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 EARLY_EXIT_LAYERS = 2  # the target's first layers that method early_exit drafts with
+
+
+def _add_request_defaults(up_parser: argparse.ArgumentParser) -> None:
+    """The gateway's request defaults (what a request that does not say gets), passed on."""
+    up_parser.add_argument("--method", choices=("draft_model", "early_exit", "ngram", "none"), default=None,
+                           help="speculation method of requests that set none (the gateway's default: draft_model)")  # fmt: skip
+    up_parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                           help="K of requests that set none, where adaptive K starts (the gateway's default: 4)")  # fmt: skip
+    up_parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                           help="choose each round's K by measured cost, for requests that do not say (default on)")  # fmt: skip
+    up_parser.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
+                           help="pipeline a draft service's rounds, for requests that do not say (default off)")  # fmt: skip
+    up_parser.add_argument("--tree", default=None,
+                           help="a token tree for requests that set none: children per depth ('2,1,1') or paths "
+                                "('[[0],[0,0],[1]]'); with adaptive, taken where it beats chains (default: chains)")  # fmt: skip
 
 
 def _service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -180,6 +187,7 @@ def _gateway_command(args: argparse.Namespace) -> list[str]:
         ),
         *([] if args.adaptive is None else ["--adaptive" if args.adaptive else "--no-adaptive"]),
         *([] if args.pipeline is None else ["--pipeline" if args.pipeline else "--no-pipeline"]),
+        *(["--tree", args.tree] if args.tree else []),
     ]
     return [
         sys.executable, "-m", "gateway", "--host", args.host, "--port", str(args.port), "--tokenizer", args.target,

@@ -28,6 +28,8 @@ from specserve.model.loading import LoadedModel
 from specserve.protocol import SparseDistribution, check_token_ids
 from specserve.sampling import SamplingParams, processed_probs, sample_sparse, truncate_to_support
 from specserve.serving.metrics import ServiceMetrics
+from specserve.tree_drafting import draft_trees
+from specserve.trees import TreeShape
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ class DraftJob:
     sampling: SamplingParams
     min_draft_probability: float = 0.0
     want_bonus_guess: bool = False
+    tree: TreeShape | None = None  # draft a token tree of this shape (specserve/tree_drafting.py)
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class Proposal:
     batch_size: int = 1
     batch_started_ns: int = 0  # wall-clock (time.time_ns) start and end of the batch
     batch_ended_ns: int = 0
+    draft_parents: tuple[int, ...] = ()  # a tree's: each draft's parent (0 the root); () a chain
 
 
 @dataclass
@@ -109,6 +113,7 @@ class _Drafting:
     drafts: list[int] = field(default_factory=list)
     distributions: list[SparseDistribution] = field(default_factory=list)
     bonus_guess: int = -1
+    parents: list[int] = field(default_factory=list)  # a tree's
 
     def draws_at(self, i: int) -> bool:
         """Whether position i (0 = the first draft) is drawn: a draft, or the bonus guess."""
@@ -133,7 +138,7 @@ class Drafter:
         with self._lock:
             if self._sessions >= self.options.max_sessions:
                 raise ResourceExhausted(f"the drafter holds its maximum of {self.options.max_sessions} sessions")
-            sequence = None if method == "ngram" else self.models[method].backend.open()
+            sequence = None if method == "ngram" else self.models[method].backend.open(reclaim=False)
             self._sessions += 1
             self._observe_sessions()
         return DraftSession(session_id, method, sequence)
@@ -173,8 +178,17 @@ class Drafter:
         for index, d in active:
             d.job.session.verified = d.verified
             results[index] = Proposal(
-                len(d.verified), tuple(d.drafts), tuple(d.distributions), d.bonus_guess, len(active), started, ended
+                len(d.verified),
+                tuple(d.drafts),
+                tuple(d.distributions),
+                d.bonus_guess,
+                len(active),
+                started,
+                ended,
+                tuple(d.parents),
             )
+        for model in self.models.values():
+            model.backend.trim_branches()
         if self.metrics is not None and active:
             self.metrics.batch_size.observe(len(active))
             self.metrics.forward_seconds.observe((ended - started) / 1e9)
@@ -187,7 +201,12 @@ class Drafter:
             return
         backend = self.models[method].backend
         try:
-            self._draft_all(backend, batch)
+            chains = [d for d in batch if d.job.tree is None]
+            trees = [d for d in batch if d.job.tree is not None]
+            if chains:
+                self._draft_all(backend, chains)
+            if trees:
+                draft_trees(self, backend, trees)
         except BaseException:
             for d in batch:  # the caches may hold half a round: resync from scratch next time
                 d.job.session.cached_tokens = []
@@ -307,6 +326,16 @@ class Drafter:
             f"num_speculative_tokens must lie in 1..{self.options.max_speculative_tokens}",
         )
         require(0 <= job.min_draft_probability <= 1, "min_draft_probability must lie in [0, 1]")
+        if job.tree is not None:
+            require(job.session.method != "ngram", "ngram drafts chains: token trees need a draft model")
+            require(
+                self.models[job.session.method].backend.supports_trees,
+                "token trees need the runner backend (this draft is served by transformers)",
+            )
+            require(
+                len(job.tree) == job.num_speculative_tokens,
+                f"a tree of {len(job.tree)} nodes needs num_speculative_tokens {len(job.tree)}",
+            )
         vocab, context = self._limits(job.session.method)
         check_token_ids(job.tokens, vocab, "tokens")
         require(job.num_verified <= context, "the sequence exceeds the draft's context window")

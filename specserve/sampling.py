@@ -19,6 +19,7 @@ from specserve.v1 import common_pb2
 # be independent of the draft's own draws at the same position.
 VERIFY_STREAM = 0
 DRAFT_STREAM = 1
+SIBLING_STREAM = 16  # + r: a token tree's r-th draw at a position (r >= 1)
 
 _MASK64 = (1 << 64) - 1
 
@@ -136,8 +137,28 @@ def verify_noise(
     return uniforms, noise
 
 
-def sample_sparse(ids: torch.Tensor, probs: torch.Tensor, seed: int, position: int) -> int:
-    """Draw one token of a sparse distribution with the draft's keyed randomness."""
-    generator = position_generator(seed, position, DRAFT_STREAM, probs.device)
+def tree_verify_noise(
+    seed: int, first_position: int, depth_max: int, siblings_max: int, vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random numbers of one token tree's verify whose root's children are at sequence
+    position first_position: uniforms [depth_max + 1, siblings_max] (the test of the r-th
+    child tried at each depth) and Exp(1) noise [depth_max + 1, vocab] (the draw where the
+    walk stops). The first child's uniform and the noise at each depth are verify_noise's at
+    that position: a tree that is a chain decides as the chain does."""
+    uniforms = torch.zeros(depth_max + 1, siblings_max, device=device)
+    noise = torch.ones(depth_max + 1, vocab, device=device)
+    for depth in range(depth_max + 1):
+        generator = position_generator(seed, first_position + depth, VERIFY_STREAM, device)
+        uniforms[depth, 0] = torch.rand(1, generator=generator, device=device)[0]
+        noise[depth] = exponential_noise(generator, vocab, device)
+        if siblings_max > 1:
+            uniforms[depth, 1:] = torch.rand(siblings_max - 1, generator=generator, device=device)
+    return uniforms, noise
+
+
+def sample_sparse(ids: torch.Tensor, probs: torch.Tensor, seed: int, position: int, draw: int = 0) -> int:
+    """Draw one token of a sparse distribution with the draft's keyed randomness; draw numbers
+    independent draws at one position (a token tree's siblings), 0 a chain's."""
+    generator = position_generator(seed, position, DRAFT_STREAM if draw == 0 else SIBLING_STREAM + draw, probs.device)
     noise = exponential_noise(generator, probs.shape[0], probs.device)
     return int(ids[torch.argmax(probs / noise)])

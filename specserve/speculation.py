@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specserve.errors import require
+from specserve.errors import InvalidArgument, require
+from specserve.trees import TreeShape, TreeShapeError
 from specserve.v1 import verify_pb2
 
 METHODS = ("draft_model", "early_exit", "ngram")
@@ -34,9 +35,14 @@ class Speculation:
     adaptive: bool = True
     k_bounds: tuple[int, int] = (0, 8)  # the adaptive choice's range; 0: it may stop drafting
     min_draft_probability: float = 0.0
+    tree: TreeShape | None = None  # each round a token tree of this shape; None: chains
 
     def __post_init__(self) -> None:
         require(self.method in METHODS, f"speculation method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        require(
+            self.tree is None or self.method != "ngram",
+            "token trees are drafted by a model (draft_model, early_exit); ngram drafts chains",
+        )
         require(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1")
         low, high = self.k_bounds
         require(
@@ -53,6 +59,7 @@ class Speculation:
             adaptive=message.adaptive,
             k_bounds=(message.adaptive_k_min, message.adaptive_k_max or message.num_speculative_tokens),
             min_draft_probability=message.min_draft_probability,
+            tree=tree_of(message.tree),
         )
 
     def to_proto(self) -> verify_pb2.Speculation:
@@ -63,7 +70,16 @@ class Speculation:
             adaptive_k_min=self.k_bounds[0],
             adaptive_k_max=self.k_bounds[1],
             min_draft_probability=self.min_draft_probability,
+            tree=self.tree.to_proto() if self.tree is not None else None,
         )
+
+
+def tree_of(message) -> TreeShape | None:
+    """A TokenTree message's shape (None: a chain); a bad one is an InvalidArgument."""
+    try:
+        return TreeShape.from_proto(message)
+    except TreeShapeError as error:
+        raise InvalidArgument(str(error)) from None
 
 
 # Running estimates forget at these rates per observation: costs change with the load,
@@ -220,13 +236,30 @@ class Acceptance:
 @dataclass
 class Shared:
     """What the sessions of one process learn together: the round costs, and each method's
-    acceptance."""
+    acceptance (a chain's per position, a tree's as tokens per round)."""
 
     costs: RoundCosts = field(default_factory=RoundCosts)
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
+    tree_tokens: dict[str, _Average] = field(default_factory=dict)
 
     def method_acceptance(self, method: str) -> Acceptance:
         return self.acceptance.setdefault(method, Acceptance())
+
+    def method_tree_tokens(self, method: str) -> _Average:
+        return self.tree_tokens.setdefault(method, _Average())
+
+
+@dataclass(frozen=True)
+class RoundChoice:
+    """What a round drafts: k draft tokens as a chain, or the tree (k its nodes); k = 0: none."""
+
+    k: int
+    tree: TreeShape | None = None
+
+
+# An adaptive session that speculates with a tree tries it again after this many chain rounds,
+# and its tokens per round are the method's average worth this many rounds at first.
+TREE_PROBE_ROUNDS, TREE_PRIOR_WEIGHT = 16, 4
 
 
 class KChooser:
@@ -249,6 +282,49 @@ class KChooser:
         self._probe_due = False  # the stretch is over: the next round drafts
         self._stretch = PROBE_STRETCH[0]
         self._at_least = 0  # after a round that kept every draft: one more than it had
+        self.tree_tokens = _Average(ACCEPTANCE_DECAY)  # a tree round's tokens, the session's own
+        self._tree_rounds = 0
+        self._since_tree = 0  # chain rounds since the last tree round
+
+    def next_round(self, remaining: int) -> RoundChoice:
+        """The next round of a session that may make `remaining` more tokens: a chain of the
+        next K, or the speculation's tree (cut to the depth remaining allows). Adaptive, the
+        tree is chosen when its measured tokens per second beat the best chain's, and tried
+        again every TREE_PROBE_ROUNDS chain rounds."""
+        tree = self.speculation.tree
+        if tree is None:
+            return RoundChoice(self.next_k(remaining))
+        cut = tree.within_depth(max(0, remaining - 1))
+        if cut is None:
+            return RoundChoice(0)
+        if not self.speculation.adaptive:
+            return RoundChoice(len(cut), cut)
+        k = self.next_k(remaining)
+        if k == 0 and self._probe_in > 0:  # drafting does not pay now: a target-only stretch
+            return RoundChoice(0)
+        shared = self.shared.method_tree_tokens(self.method).value
+        if shared is None or self._since_tree >= TREE_PROBE_ROUNDS:
+            return RoundChoice(len(cut), cut)
+        chain, tree_rate = self._rate(k, self.acceptance.expected_tokens(k)), self._tree_rate(cut, shared)
+        if tree_rate is not None and (chain is None or tree_rate >= chain):
+            return RoundChoice(len(cut), cut)
+        return RoundChoice(k)
+
+    def _rate(self, k: int, expected: float, method: str | None = None) -> float | None:
+        seconds = self.shared.costs.round_seconds(method or self.method, k)
+        return expected / seconds if seconds else None
+
+    def _tree_rate(self, tree: TreeShape, shared_tokens: float) -> float | None:
+        """A tree round's expected tokens per second: the session's tokens per tree round,
+        starting from the method's, over the tree rounds' measured cost."""
+        own, rounds = self.tree_tokens.value, self._tree_rounds
+        weight = min(rounds, TREE_PRIOR_WEIGHT * 4)
+        expected = (
+            shared_tokens
+            if own is None
+            else (weight * own + TREE_PRIOR_WEIGHT * shared_tokens) / (weight + TREE_PRIOR_WEIGHT)
+        )
+        return self._rate(len(tree), expected, f"{self.method}/tree")
 
     def next_k(self, remaining: int) -> int:
         """K for the next round of a session that may make `remaining` more tokens."""
@@ -300,10 +376,20 @@ class KChooser:
                 best, best_rate = k, rate
         return best
 
-    def observe(self, k: int, num_accepted: int, draft_s: float | None, verify_s: float, round_s: float) -> None:
+    def observe(
+        self, k: int, num_accepted: int, draft_s: float | None, verify_s: float, round_s: float, tree: bool = False
+    ) -> None:
         """A round of k drafts (0: target-only, one token) kept num_accepted of them; draft_s
         is its drafting (None: not a usual round's, see RoundCosts.observe), verify_s its
-        verify forward and decision, round_s all it took."""
+        verify forward and decision, round_s all it took; tree: its drafts were a tree."""
+        if tree:
+            self.shared.costs.observe(f"{self.method}/tree", k, draft_s, verify_s, round_s)
+            self.tree_tokens.add(num_accepted + 1)
+            self.shared.method_tree_tokens(self.method).add(num_accepted + 1)
+            self._tree_rounds += 1
+            self._since_tree, self._at_least = 0, 0
+            return
+        self._since_tree += k > 0
         if k == 0 and self._probe_in > 0:
             self._probe_in -= 1
             self._probe_due = self._probe_in == 0

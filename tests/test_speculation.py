@@ -139,10 +139,45 @@ def test_a_drafting_that_reads_more_than_a_round_made_is_not_counted_as_a_rounds
     from verify_service.local_drafts import SessionDrafts
 
     seen = []
-    chooser = SimpleNamespace(observe=lambda k, accepted, draft_s, verify_s, round_s: seen.append(draft_s))
+    chooser = SimpleNamespace(observe=lambda k, accepted, draft_s, verify_s, round_s, tree: seen.append(draft_s))
     drafts = SessionDrafts(speculation=None, draft=None, chooser=chooser)
     for k in (4, 4, 0, 0, 4, 4):
         outcome = SimpleNamespace(decided_ns=2, batch_started_ns=1, draft_seconds=5e-4 if k else 0.0,
                                   num_draft_tokens=k, num_accepted=0)  # fmt: skip
         drafts.observe(outcome, 1e-3)
     assert seen == [None, 5e-4, 0.0, None, None, 5e-4]
+
+
+def test_a_tree_is_cut_to_what_max_tokens_leaves():
+    from specserve.trees import TreeShape
+
+    tree = TreeShape.parse([2, 1, 1])
+    chooser = KChooser(Speculation("draft_model", 4, adaptive=False, tree=tree))
+    assert chooser.next_round(64).tree == tree and chooser.next_round(64).k == 6
+    assert chooser.next_round(3).tree == TreeShape.parse([2, 1]) and chooser.next_round(3).k == 4
+    assert chooser.next_round(1).k == 0 and chooser.next_round(1).tree is None
+
+
+@pytest.mark.parametrize("tree_tokens, tree_cost, chosen", [(5.0, 0.004, "tree"), (1.5, 0.006, "chain")])
+def test_adaptive_takes_the_tree_where_it_gives_more_tokens_per_second(tree_tokens, tree_cost, chosen):
+    """A tree is tried first; then it is taken while its measured tokens per second beat the
+    best chain's, and tried again every TREE_PROBE_ROUNDS chain rounds."""
+    from specserve.speculation import TREE_PROBE_ROUNDS
+    from specserve.trees import TreeShape
+
+    shared = costs(draft_step=0.0002, verify_one=0.002, per_token=0.0002)
+    tree = TreeShape.parse([2, 1, 1])
+    chooser = KChooser(Speculation("draft_model", 4, adaptive=True, k_bounds=(0, 8), tree=tree), shared)
+    for _ in range(10):
+        chooser.observe(4, 2, 0.0008, 0.0028, 0.0036)  # a chain of 4 keeps 2: 3 tokens in 3.6 ms
+    assert chooser.next_round(100).tree == tree  # never measured: tried
+    for _ in range(10):
+        draft = 0.001
+        chooser.observe(6, round(tree_tokens) - 1, draft, tree_cost - draft, tree_cost, tree=True)
+    choice = chooser.next_round(100)
+    assert (choice.tree is not None) == (chosen == "tree")
+    if chosen == "chain":
+        assert choice.k >= 1
+        for _ in range(TREE_PROBE_ROUNDS):
+            chooser.observe(choice.k, 2, 0.0008, 0.0028, 0.0036)
+        assert chooser.next_round(100).tree == tree  # tried again

@@ -297,3 +297,56 @@ def test_bad_speculation_is_invalid_and_changes_nothing(verify, speculation):
     error = status_of(lambda: speculative_decode(verify, "bad-speculation", 4, 5, **speculation))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert [r.num_verified for r in decode(verify, "bad-speculation", 4, 2)] == [5, 6]  # the session is as it was
+
+
+def test_a_draft_service_drafts_a_tree_and_the_verifier_keeps_a_path_of_it(split_verify, draft):
+    """Greedy: the root's children are the draft's top tokens in rank order; the verifier
+    keeps a path of the tree and says which tokens it kept."""
+    verify = split_verify
+    first = prefill(verify, "tree")
+    sequence = [72, 101, 108, first.next_token_id]
+    tree = common_pb2.TokenTree(parents=[0, 1, 0, 3], ranks=[0, 0, 1, 0])  # two branches of two
+    request = draft_pb2.DraftRequest(session_id="tree", tokens=sequence, num_verified=4, num_speculative_tokens=4,
+                                     sampling=GREEDY, tree=tree)  # fmt: skip
+    proposal = next(draft.Draft(iter([request])))
+    assert list(proposal.draft_parents) == [0, 1, 0, 3]
+    drafts = list(proposal.draft_token_ids)
+    assert drafts[0] != drafts[2]  # the first and second choices after the root
+    reply = verify.Verify(verify_pb2.VerifyRequest(session_id="tree", num_verified=4, draft_token_ids=drafts,
+                                                   draft_parents=proposal.draft_parents))  # fmt: skip
+    paths = ([], [drafts[0]], drafts[:2], [drafts[2]], drafts[2:])
+    assert list(reply.accepted_token_ids) in paths
+    assert reply.num_accepted == len(reply.accepted_token_ids) and reply.num_verified == 5 + reply.num_accepted
+
+
+@pytest.mark.parametrize(
+    "parents, sampling, message",
+    [
+        ([0, 2], GREEDY, "not an earlier node"),
+        ([0], GREEDY, "need 2 parents"),
+        ([0, 0], SAMPLED, "distribution its siblings"),
+    ],
+)
+def test_bad_trees_are_refused_and_the_session_goes_on(split_verify, parents, sampling, message):
+    verify = split_verify
+    prefill(verify, "bad-tree", sampling=sampling)
+    distributions = []
+    if sampling is SAMPLED:
+        distributions = [common_pb2.SparseDistribution(token_ids=[5, 6], probs=[0.5, 0.5]),
+                         common_pb2.SparseDistribution(token_ids=[6, 5], probs=[0.5, 0.5])]  # fmt: skip
+    request = verify_pb2.VerifyRequest(session_id="bad-tree", num_verified=4, draft_token_ids=[5, 6],
+                                       draft_parents=parents, draft_distributions=distributions)  # fmt: skip
+    error = status_of(lambda: verify.Verify(request))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.details()
+    assert verify.Verify(verify_pb2.VerifyRequest(session_id="bad-tree", num_verified=4)).num_verified == 5
+
+
+@pytest.mark.parametrize(
+    "method, k, message", [("ngram", 2, "ngram drafts chains"), ("draft_model", 3, "needs num_speculative_tokens 2")]
+)
+def test_a_draft_service_refuses_a_tree_for_ngram_or_of_the_wrong_size(draft, method, k, message):
+    tree = common_pb2.TokenTree(parents=[0, 0], ranks=[0, 1])
+    request = draft_pb2.DraftRequest(session_id=f"bad-tree-{method}", tokens=[1, 2, 3], num_verified=3,
+                                     num_speculative_tokens=k, sampling=GREEDY, tree=tree, method=method)  # fmt: skip
+    error = status_of(lambda: next(draft.Draft(iter([request]))))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.details()

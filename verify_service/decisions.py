@@ -7,17 +7,29 @@ from __future__ import annotations
 
 import torch
 
-from specserve.sampling import processed_probs, verify_noise
+from specserve.sampling import processed_probs, tree_verify_noise, verify_noise
+from specserve.trees import depths
 from specserve_kernels.rejection import greedy_verify, rejection_sample
+from specserve_kernels.tree import tree_rejection_sample
 
 
 def decide(rows: list, device: torch.device) -> list[tuple[int, int]]:
     """Each row's (drafts kept, next token): greedy rows by argmax, sampled ones by the
-    rejection kernel, one call per sampling mode."""
+    rejection kernel, one call per sampling mode and per kind of row (chains, token trees,
+    whose rows get the nodes kept as path)."""
     decisions: list[tuple[int, int]] = [(0, 0)] * len(rows)
-    greedy = [i for i, row in enumerate(rows) if row.sampling.is_greedy]
-    sampled = [i for i, row in enumerate(rows) if not row.sampling.is_greedy]
-    for group, decide_group in ((greedy, decide_greedy), (sampled, decide_sampled)):
+    groups = {}
+    for i, row in enumerate(rows):
+        kind = (row.parents is not None, row.sampling.is_greedy)
+        groups.setdefault(kind, []).append(i)
+    deciders = {
+        (False, True): decide_greedy,
+        (False, False): decide_sampled,
+        (True, True): decide_tree_greedy,
+        (True, False): decide_tree_sampled,
+    }
+    for kind, group in groups.items():
+        decide_group = deciders[kind]
         if group:
             for i in group:
                 rows[i].batch_size = len(group)
@@ -70,6 +82,73 @@ def decide_sampled(rows: list, device: torch.device) -> list[tuple[int, int]]:
         target_probs, drafts, num_draft, q_ids.to(device), q_probs.to(device), uniforms.to(device), noise
     )
     return unpack(output, num_accepted)
+
+
+def decide_tree_greedy(rows: list, device: torch.device) -> list[tuple[int, int]]:
+    """From the root, the first child whose token is its parent's argmax, while there is one;
+    the next token is the argmax at the last node kept."""
+    decisions = []
+    for row in rows:
+        best = row.argmax if row.argmax is not None else row.logits.argmax(-1).tolist()
+        current, row.path = 0, []
+        for node in range(1, len(row.parents)):
+            if row.parents[node] == current and row.feed[node] == best[current]:
+                row.path.append(node)
+                current = node
+        decisions.append((len(row.path), best[current]))
+    return decisions
+
+
+def decide_tree_sampled(rows: list, device: torch.device) -> list[tuple[int, int]]:
+    """The multi-candidate rule (kernels/tree_reference.py) over every row at once; each
+    node's q is the distribution its children were drawn from."""
+    n_max = max(len(row.parents) for row in rows)
+    vocab = rows[0].logits.shape[1]
+    support = max((len(d.token_ids) for row in rows for d in row.distributions), default=1)
+    node_depths = [depths(row.parents) for row in rows]
+    d_max = max(max(d) for d in node_depths)
+    ranks = [_sibling_ranks(row.parents) for row in rows]
+    siblings_max = max(max(r) for r in ranks) + 1
+    target = torch.zeros(len(rows), n_max, vocab, device=device)
+    parents = torch.full((len(rows), n_max), -1, dtype=torch.long)
+    tokens = torch.zeros(len(rows), n_max, dtype=torch.long)
+    q_ids = torch.full((len(rows), n_max, support), -1, dtype=torch.long)
+    q_probs = torch.zeros(len(rows), n_max, support)
+    uniforms = torch.zeros(len(rows), n_max)
+    noise = torch.ones(len(rows), d_max + 1, vocab, device=device)
+    for b, row in enumerate(rows):
+        n = len(row.parents)
+        target[b, :n] = processed_probs(row.logits, row.sampling)
+        parents[b, :n] = torch.tensor(row.parents)
+        tokens[b, :n] = torch.tensor(row.feed)
+        row_uniforms, row_noise = tree_verify_noise(
+            row.sampling.seed, row.first_position, d_max, siblings_max, vocab, device
+        )
+        noise[b] = row_noise
+        for node in range(1, n):
+            distribution, parent = row.distributions[node - 1], row.parents[node]
+            q_ids[b, parent, : len(distribution.token_ids)] = torch.tensor(distribution.token_ids)
+            q_probs[b, parent, : len(distribution.probs)] = torch.tensor(distribution.probs)
+            uniforms[b, node] = row_uniforms[node_depths[b][parent], ranks[b][node]]
+    num_nodes = torch.tensor([len(row.parents) for row in rows])
+    output, num_accepted, path = tree_rejection_sample(
+        target, parents.to(device), tokens.to(device), num_nodes.to(device), q_ids.to(device), q_probs.to(device),
+        uniforms.to(device), noise,
+    )  # fmt: skip
+    decisions = unpack(output, num_accepted)
+    for row, nodes, (kept, _) in zip(rows, path.cpu().tolist(), decisions):
+        row.path = nodes[:kept]
+    return decisions
+
+
+def _sibling_ranks(parents: list[int]) -> list[int]:
+    """Each node's place among its parent's children (0: the first)."""
+    seen: dict[int, int] = {}
+    ranks = [0] * len(parents)
+    for node in range(1, len(parents)):
+        ranks[node] = seen.get(parents[node], 0)
+        seen[parents[node]] = ranks[node] + 1
+    return ranks
 
 
 def pad_rows(

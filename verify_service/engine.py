@@ -35,6 +35,7 @@ from verify_service.config import VerifyConfig
 from verify_service.decisions import decide
 from verify_service.jobs import DecodeJob, Job, Outcome, PrefillJob, ReleaseJob, Session, SweepJob, VerifyJob
 from verify_service.local_drafts import DraftTiming, LocalDrafting
+from verify_service.tree_rounds import check_tree, check_tree_speculation, keep_path, tree_nodes
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class _Row:
     argmax: list[int] | None = None  # of each of the logits, where the forward made it with them
     batch_size: int = field(default=1)
     drafted_locally: bool = False  # a speculative decode's round with drafts, the verifier's own
+    parents: list[int] | None = None  # a token tree's: the parent of each node of feed (root -1)
+    path: list[int] | None = None  # a token tree's nodes kept, from its decision
 
 
 class Verifier:
@@ -233,6 +236,10 @@ class Verifier:
             job.speculation.num_speculative_tokens <= self.config.max_speculative_tokens,
             f"at most {self.config.max_speculative_tokens} draft tokens per round",
         )
+        if job.speculation.tree is not None:
+            check_tree_speculation(
+                job.speculation.tree, self.backend.supports_trees, self.config.max_speculative_tokens
+            )
         session.drafts = self.local.session_drafts(session.drafts, job.speculation)
 
     def _draft_locally(self, jobs: list[Job], rows: list[tuple[int, _Row]]) -> DraftTiming | None:
@@ -244,13 +251,15 @@ class Verifier:
         wanted = []
         for job, row in speculative:
             room = min(job.max_tokens, self.loaded.max_context_length - len(row.session.tokens))
-            k = row.session.drafts.chooser.next_k(room)
-            wanted.append((row.session.drafts, row.session.tokens, k, row.sampling))
+            choice = row.session.drafts.chooser.next_round(room)
+            wanted.append((row.session.drafts, row.session.tokens, choice, row.sampling))
         proposals, timing = self.local.propose(wanted)
         for (_, row), proposal in zip(speculative, proposals):
             row.drafts, row.distributions = proposal.draft_token_ids, proposal.draft_distributions
             row.feed = [row.feed[0], *row.drafts]
             row.drafted_locally = bool(row.drafts)
+            if proposal.draft_parents:
+                row.parents = [-1, *proposal.draft_parents]
         return timing
 
     def _prepare_prefill(self, job: PrefillJob) -> _Row:
@@ -286,9 +295,11 @@ class Verifier:
             )
         sampling = job.sampling or session.sampling
         self._check_drafts(job, sampling)
+        if job.draft_parents:
+            check_tree(job, sampling, self.backend.supports_trees)
         session.sequence.truncate(len(session.tokens) - 1)  # also undoes a forward whose batch failed
         feed = [session.tokens[-1], *job.draft_token_ids]
-        return _Row(
+        row = _Row(
             job.session_id,
             session,
             feed,
@@ -299,12 +310,21 @@ class Verifier:
             False,
             False,
         )
+        if job.draft_parents:
+            row.parents = [-1, *job.draft_parents]
+        return row
 
     def _forward(self, rows: list[_Row]) -> None:
-        forward_rows = [ForwardRow(row.session.sequence, row.feed, len(row.drafts) + 1) for row in rows]
+        chains = [row for row in rows if row.parents is None]
+        forward_rows = [ForwardRow(row.session.sequence, row.feed, len(row.drafts) + 1) for row in chains]
         results = forward_in_budget(self.backend, forward_rows, self.config.max_batched_tokens)
-        for row, (logits, argmax) in zip(rows, results):
+        for row, (logits, argmax) in zip(chains, results):
             row.logits, row.argmax = logits, argmax
+        trees = [row for row in rows if row.parents is not None]
+        if trees:
+            parts = [tree_nodes(self.backend, row) for row in trees]
+            for row, (logits, argmax) in zip(trees, self.backend.forward_trees(parts)):
+                row.logits, row.argmax = logits, argmax
 
     def _check_drafts(self, job: VerifyJob, sampling: SamplingParams) -> None:
         k = len(job.draft_token_ids)
@@ -328,15 +348,24 @@ class Verifier:
             require(distribution.prob_of(token) > 0, f"draft token {i} ({token}) has no mass in its own distribution")
 
     def _commit(self, row: _Row, num_accepted: int, next_token: int) -> Outcome:
-        num_accepted, next_token = self._stop_at_end_of_sequence(row.drafts, num_accepted, next_token)
+        kept = row.drafts if row.path is None else keep_path(self.backend, row)
+        num_accepted, next_token = self._stop_at_end_of_sequence(kept, num_accepted, next_token)
         session = row.session
-        accepted = tuple(row.drafts[:num_accepted])
+        accepted = tuple(kept[:num_accepted])
         session.tokens.extend(accepted)
         session.tokens.append(next_token)
         session.sequence.truncate(len(session.tokens) - 1)
         session.last_used = time.monotonic()
         self.sessions[row.session_id] = session
-        return Outcome(num_accepted, next_token, len(session.tokens), row.batch_size, accepted, len(row.drafts))
+        return Outcome(
+            num_accepted,
+            next_token,
+            len(session.tokens),
+            row.batch_size,
+            accepted,
+            len(row.drafts),
+            tree=row.parents is not None,
+        )
 
     def _stop_at_end_of_sequence(self, drafts: tuple[int, ...], num_accepted: int, next_token: int) -> tuple[int, int]:
         """A round ends at an accepted end-of-sequence draft: it becomes the round's last token."""

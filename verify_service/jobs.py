@@ -29,6 +29,7 @@ class VerifyJob:
     draft_token_ids: tuple[int, ...]
     draft_distributions: tuple[SparseDistribution, ...]
     sampling: SamplingParams | None  # None: the session's own
+    draft_parents: tuple[int, ...] = ()  # a token tree's: each draft's parent (0 the root); () a chain
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Outcome:
     batch_size: int
     accepted_token_ids: tuple[int, ...] = ()  # the drafts kept, before next_token_id
     num_draft_tokens: int = 0  # K verified
+    tree: bool = False  # the drafts were a token tree
     # Wall-clock times (time.time_ns) of the batch this call ran in: drafting (colocated;
     # 0 when none), start of the forward, forward done, decision done. Spans and metrics are
     # made from them on the caller's thread.

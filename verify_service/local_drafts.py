@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from specserve.drafting import Drafter, DraftJob, DraftSession, Proposal
 from specserve.errors import RequestError
 from specserve.serving.logs import RateLimitedLog
-from specserve.speculation import KChooser, Shared, Speculation
+from specserve.speculation import KChooser, RoundChoice, Shared, Speculation
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ class SessionDrafts:
     chooser: KChooser
     drafted_rounds: int = 0
     last_k: int = 0  # the K of the round before
+    tree_round: bool = False  # whether the round drafted now is a tree
 
     def observe(self, outcome, round_s: float) -> None:
         """Feeds a round's Outcome to the chooser: its drafting, its verify (forward and
@@ -43,7 +44,8 @@ class SessionDrafts:
         draft_s = outcome.draft_seconds if usual else None
         self.drafted_rounds += outcome.num_draft_tokens > 0
         self.last_k = outcome.num_draft_tokens
-        self.chooser.observe(outcome.num_draft_tokens, outcome.num_accepted, draft_s, verify_s, round_s)
+        tree = self.tree_round and outcome.num_draft_tokens > 0
+        self.chooser.observe(outcome.num_draft_tokens, outcome.num_accepted, draft_s, verify_s, round_s, tree)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class LocalProposal:
 
     draft_token_ids: tuple[int, ...] = ()
     draft_distributions: tuple = ()
+    draft_parents: tuple[int, ...] = ()  # a token tree's; () a chain
 
 
 @dataclass
@@ -94,12 +97,12 @@ class LocalDrafting:
             self.drafter.close_session(drafts.draft)
 
     def propose(
-        self, jobs: list[tuple[SessionDrafts, list[int], int, object]]
+        self, jobs: list[tuple[SessionDrafts, list[int], RoundChoice, object]]
     ) -> tuple[list[LocalProposal], DraftTiming]:
-        """Drafts for (session drafts, verified tokens, K, sampling) of every row at once;
+        """Drafts for (session drafts, verified tokens, round's choice, sampling) of every row at once;
         a row whose drafting fails runs target-only this round."""
         timing = DraftTiming(started_ns=time.time_ns())
-        wanted = [i for i, (_, _, k, _) in enumerate(jobs) if k > 0]
+        wanted = [i for i, (_, _, choice, _) in enumerate(jobs) if choice.k > 0]
         out = [LocalProposal()] * len(jobs)
         if wanted:
             for i, proposal in zip(wanted, self._step([self._job(*jobs[i]) for i in wanted])):
@@ -114,6 +117,14 @@ class LocalDrafting:
         """The proposal up to its first position that reaches past the target's vocabulary (a
         draft may pad its output layer to more ids than the target's)."""
         ids, distributions = proposal.draft_token_ids, proposal.draft_distributions
+        if proposal.draft_parents:  # a tree is kept whole or not at all: dropping nodes by their tokens is not exact
+            if self._larger_vocabulary and any(
+                token >= self.drafter.options.vocab_size
+                or (distributions and max(d.token_ids) >= self.drafter.options.vocab_size)
+                for token, d in zip(ids, distributions or [None] * len(ids))
+            ):
+                return LocalProposal()
+            return LocalProposal(ids, distributions, proposal.draft_parents)
         if self._larger_vocabulary:
             vocab = self.drafter.options.vocab_size
             outside = [
@@ -125,10 +136,17 @@ class LocalDrafting:
             ids, distributions = ids[:keep], distributions[:keep]
         return LocalProposal(ids, distributions)
 
-    def _job(self, drafts: SessionDrafts, verified: list[int], k: int, sampling) -> DraftJob:
+    def _job(self, drafts: SessionDrafts, verified: list[int], choice: RoundChoice, sampling) -> DraftJob:
         known = len(drafts.draft.verified)  # a prefix of verified: the session only grows
+        drafts.tree_round = choice.tree is not None
         return DraftJob(
-            drafts.draft, tuple(verified[known:]), len(verified), k, sampling, drafts.speculation.min_draft_probability
+            drafts.draft,
+            tuple(verified[known:]),
+            len(verified),
+            choice.k,
+            sampling,
+            drafts.speculation.min_draft_probability,
+            tree=choice.tree,
         )
 
     def _step(self, jobs: list[DraftJob]) -> list:

@@ -86,6 +86,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             server_seconds=time.perf_counter() - started,
             forward_seconds=outcome.forward_seconds,
             kernel_seconds=outcome.kernel_seconds,
+            accepted_token_ids=outcome.accepted_token_ids,
         )
 
     def Decode(self, request: verify_pb2.DecodeRequest, context) -> Iterator[verify_pb2.DecodeResponse]:
@@ -123,6 +124,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                     accepted_token_ids=outcome.accepted_token_ids,
                     num_draft_tokens=outcome.num_draft_tokens,
                     draft_seconds=outcome.draft_seconds,
+                    tree=outcome.tree,
                 )
                 since = outcome.decided_ns
             future.result()  # raises the decode's error, after the tokens made before it
@@ -148,6 +150,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             draft_token_ids=tuple(request.draft_token_ids),
             draft_distributions=distributions,
             sampling=sampling,
+            draft_parents=tuple(request.draft_parents),
         )
 
 

@@ -23,6 +23,10 @@ class KVSequence:
     slot: int  # the runner's cache slot (-1 for the transformers backend)
     length: int = 0  # tokens whose keys and values are in the cache
     hf_cache: object = field(default=None, repr=False)
+    # Token trees: the cache slots of branches 1, 2, ... (branch 0 is slot), and how many
+    # leading positions of each still hold what slot does.
+    branch_slots: list[int] = field(default_factory=list)
+    branch_synced: list[int] = field(default_factory=list)
 
     def truncate(self, length: int) -> None:
         """Rollback: forgets everything past length (the runner overwrites it next time)."""
@@ -30,6 +34,21 @@ class KVSequence:
             if self.hf_cache is not None:
                 self.hf_cache.crop(length - self.length)  # transformers takes a negative count
             self.length = length
+            self.branch_synced = [min(synced, length) for synced in self.branch_synced]
+
+
+@dataclass(frozen=True)
+class TreeNodes:
+    """Nodes of one sequence's token tree fed in one forward: node i's token at position
+    base + depths[i], on the branches on[i] (specserve.trees.branches), whose slots it reads
+    (the first) and is stored in (all). The sequence's cache holds positions up to base (or
+    base + 1, where the root was fed before)."""
+
+    sequence: KVSequence
+    base: int
+    tokens: list[int]
+    depths: list[int]
+    on: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -52,7 +71,7 @@ class Backend(Protocol):
         """Whether compiled steps are still being built (the eager forward serves meanwhile)."""
         ...
 
-    def open(self) -> KVSequence: ...
+    def open(self, reclaim: bool = True) -> KVSequence: ...
 
     def close(self, sequence: KVSequence) -> None: ...
 
@@ -72,6 +91,23 @@ class Backend(Protocol):
         the steps tokens made, or None where the backend has no such call for steps."""
         ...
 
+    supports_trees: bool
+
+    def reserve_branches(self, sequence: KVSequence, count: int) -> int:
+        """Makes room for a token tree of count branches: a cache slot per branch past the
+        first, taken from the free ones; how many branches the sequence can have (1 .. count)."""
+        ...
+
+    def forward_trees(self, parts: list[TreeNodes]) -> list[tuple[torch.Tensor, list[int] | None]]:
+        """Each part's nodes' logits [n, vocab] float32, with their argmax where made with them."""
+        ...
+
+    def keep_branch(self, sequence: KVSequence, branch: int, end: int) -> None:
+        """Keeps what a tree wrote on branch up to position end: the sequence then holds end tokens."""
+        ...
+
+    def trim_branches(self) -> None: ...
+
 
 class RunnerBackend:
     name = "runner"
@@ -80,6 +116,7 @@ class RunnerBackend:
         self.runner = runner
         self.vocab_size = runner.spec.vocab_size
         self.max_context_length = runner.max_len
+        self._branched: dict[int, KVSequence] = {}  # sequences holding branch slots
 
     @property
     def compiling(self) -> bool:
@@ -97,16 +134,75 @@ class RunnerBackend:
     def in_use(self) -> int:
         return self.runner.num_slots - self.runner.free_slots
 
-    def open(self) -> KVSequence:
+    def open(self, reclaim: bool = True) -> KVSequence:
+        """reclaim: take a tree's branch slot when none is free (only where no tree runs at
+        the same time: the drafter's streams open sessions on threads of their own)."""
         slot = self.runner.allocate()
+        if slot is None and reclaim and self._branched:  # sessions come before the branches of trees
+            self._drop_branches(next(iter(self._branched.values())))
+            slot = self.runner.allocate()
         if slot is None:
             raise ResourceExhausted(f"all {self.runner.num_slots} KV-cache slots are in use")
         return KVSequence(slot)
 
     def close(self, sequence: KVSequence) -> None:
+        self._drop_branches(sequence)
         if sequence.slot >= 0:
             self.runner.release(sequence.slot)
             sequence.slot = -1
+
+    @property
+    def supports_trees(self) -> bool:
+        return self.runner.exact_attention
+
+    def reserve_branches(self, sequence: KVSequence, count: int) -> int:
+        while len(sequence.branch_slots) < count - 1:
+            slot = self.runner.allocate()
+            if slot is None:
+                break
+            sequence.branch_slots.append(slot)
+            sequence.branch_synced.append(0)
+            self._branched[id(sequence)] = sequence
+        return min(count, 1 + len(sequence.branch_slots))
+
+    def forward_trees(self, parts: list[TreeNodes]) -> list[tuple[torch.Tensor, list[int] | None]]:
+        tokens, positions, read, write = [], [], [], []
+        for part in parts:
+            sequence = part.sequence
+            slots = [sequence.slot, *sequence.branch_slots]
+            for branch, synced in enumerate(sequence.branch_synced, start=1):  # each branch's context first
+                self.runner.copy_positions(sequence.slot, slots[branch], synced, sequence.length)
+            sequence.branch_synced = [sequence.length] * len(sequence.branch_slots)
+            for token, depth, on in zip(part.tokens, part.depths, part.on):
+                tokens.append(token)
+                positions.append(part.base + depth)
+                read.append(slots[on[0]])
+                write.append([slots[branch] for branch in on])
+        logits, argmax = self.runner.forward_nodes(tokens, positions, read, write)
+        out, end = [], 0
+        for part in parts:
+            end += len(part.tokens)
+            start = end - len(part.tokens)
+            out.append((logits[start:end], argmax[start:end] if argmax is not None else None))
+        return out
+
+    def keep_branch(self, sequence: KVSequence, branch: int, end: int) -> None:
+        if branch > 0:
+            self.runner.copy_positions(sequence.branch_slots[branch - 1], sequence.slot, sequence.length, end)
+        sequence.length = end
+
+    def trim_branches(self) -> None:
+        """Gives every tree's branch slots back where no slot is free (a drafter's, between
+        its batches: new sessions come first)."""
+        if self.runner.free_slots == 0:
+            for sequence in list(self._branched.values()):
+                self._drop_branches(sequence)
+
+    def _drop_branches(self, sequence: KVSequence) -> None:
+        for slot in sequence.branch_slots:
+            self.runner.release(slot)
+        sequence.branch_slots, sequence.branch_synced = [], []
+        self._branched.pop(id(sequence), None)
 
     def forward(self, rows: list[ForwardRow]) -> list[torch.Tensor]:
         return [logits for logits, _ in self.forward_with_argmax(rows)]
@@ -146,6 +242,7 @@ class TransformersBackend:
     name = "transformers"
     compiling = False
     steps_built = True
+    supports_trees = False
 
     def __init__(self, model, device: torch.device, max_context_length: int, max_sequences: int):
         self.model = model
@@ -159,7 +256,7 @@ class TransformersBackend:
     def in_use(self) -> int:
         return self._open
 
-    def open(self) -> KVSequence:
+    def open(self, reclaim: bool = True) -> KVSequence:
         from transformers import DynamicCache
 
         if self._open >= self._max_sequences:
@@ -191,6 +288,18 @@ class TransformersBackend:
 
     def greedy_continue(self, sequence: KVSequence, token: int, steps: int) -> list[int] | None:
         return None
+
+    def reserve_branches(self, sequence: KVSequence, count: int) -> int:
+        return 1
+
+    def forward_trees(self, parts: list[TreeNodes]) -> list[tuple[torch.Tensor, list[int] | None]]:
+        raise NotImplementedError("token trees need the runner backend")
+
+    def keep_branch(self, sequence: KVSequence, branch: int, end: int) -> None:
+        raise NotImplementedError("token trees need the runner backend")
+
+    def trim_branches(self) -> None:
+        pass
 
 
 def forward_in_budget(

@@ -77,18 +77,22 @@ def _make_step(runner):
         tokens: torch.Tensor,  # [B] int64
         slots: torch.Tensor,  # [B] int64
         positions: torch.Tensor,  # [B] int64
+        writes: torch.Tensor,  # [3, W] int64: (row, slot, position) where each new key is stored
         key_index: torch.Tensor,  # [L] int64 0..L-1: the keys read per row, L > every position
     ) -> torch.Tensor:
-        """Logits [B, vocab] float32 of one token per row."""
+        """Logits [B, vocab] float32 of one token per row. A chain's rows store their keys in
+        their own slots at their positions; a token tree's node also into the slot of every
+        branch it lies on (see runner.TreeRows)."""
         batch, num_keys = tokens.shape[0], key_index.shape[0]
         x = embed[tokens].to(norm.dtype)  # [B, hidden]
         allowed = key_index[None, :] <= positions[:, None]  # [B, L]
+        written_rows, written_slots, written_positions = writes[0], writes[1], writes[2]
         if window:
             allowed = allowed & (key_index[None, :] > positions[:, None] - window)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            k_cache[i][slots, :, positions] = k  # writes into the cache
-            v_cache[i][slots, :, positions] = v
+            k_cache[i][written_slots, :, written_positions] = k[written_rows]  # writes into the cache
+            v_cache[i][written_slots, :, written_positions] = v[written_rows]
             keys = k_cache[i][slots, :, :num_keys]  # [B, kv_heads, L, d]
             values = v_cache[i][slots, :, :num_keys]
             grouped = q.view(batch, kv_heads, heads // kv_heads, d)  # [B, kv_heads, group, d]
@@ -291,17 +295,29 @@ class CompiledSteps:
         return self.step_with_argmax(slots, positions, tokens)[0]
 
     def step_with_argmax(
-        self, slots: list[int], positions: list[int], tokens: list[int]
+        self,
+        slots: list[int],
+        positions: list[int],
+        tokens: list[int],
+        writes: tuple[list[int], list[int], list[int]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [len(slots), vocab] float32 of one token per row, and their argmax [len(slots)]."""
+        """Logits [len(slots), vocab] float32 of one token per row, and their argmax
+        [len(slots)]. writes: (row, slot, position) of every place a new key is stored, where
+        that is not only each row's own (a token tree's nodes)."""
         runner = self.runner
         num_keys = min(runner.max_len, -(-(max(positions) + 1) // KEY_BLOCK) * KEY_BLOCK)
-        inputs = [torch.tensor(values, device=runner.device) for values in (tokens, slots, positions)]
-        key_index = torch.arange(num_keys, device=runner.device)
+        device = runner.device
+        if writes is None:
+            writes = (list(range(len(slots))), slots, positions)
+        inputs = [torch.tensor(values, device=device) for values in (tokens, slots, positions)]
+        written = torch.tensor(writes, device=device)
+        key_index = torch.arange(num_keys, device=device)
         for tensor in (*inputs, key_index):
             if tensor.shape[0] > 1:  # torch specialises a size of 1: a graph of its own
                 torch._dynamo.mark_dynamic(tensor, 0)
-        return self._compiled(runner.k_cache, runner.v_cache, *inputs, key_index)
+        if written.shape[1] > 1:
+            torch._dynamo.mark_dynamic(written, 1)
+        return self._compiled(runner.k_cache, runner.v_cache, *inputs, written, key_index)
 
 
 def _greedy_run(step, steps: int, owner: str):
@@ -312,7 +328,8 @@ def _greedy_run(step, steps: int, owner: str):
     def greedy_run(k_cache, v_cache, tokens, slots, positions, key_index) -> torch.Tensor:
         made = []
         for _ in range(steps):
-            tokens = step(k_cache, v_cache, tokens, slots, positions, key_index).argmax(-1)
+            writes = torch.stack([torch.zeros_like(slots), slots, positions])
+            tokens = step(k_cache, v_cache, tokens, slots, positions, writes, key_index).argmax(-1)
             made.append(tokens)
             positions = positions + 1
         return torch.stack(made, 1)

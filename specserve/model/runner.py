@@ -52,6 +52,8 @@ class BatchLayout:
     mask: torch.Tensor | None  # [batch, 1, n_max, kv_len] bool, True = may attend; None = no mask needed
     single: tuple[int, int] | None  # (slot, start) when the batch is one row: views, no gathers
     exact: bool  # attention runs query by query (kernels' exact_attention)
+    writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (token, slot, position) of
+    # every place a new key is stored, where not only its own (token-tree nodes: forward_nodes)
 
 
 class LlamaRunner:
@@ -231,17 +233,55 @@ class LlamaRunner:
         return out, best
 
     @torch.inference_mode()
+    def forward_nodes(
+        self, tokens: list[int], positions: list[int], read_slots: list[int], write_slots: list[list[int]]
+    ) -> tuple[torch.Tensor, list[int] | None]:
+        """One token per row, at its position, attending to the keys of read_slots[t] up to its
+        position, its own key and value stored in every slot of write_slots[t] (read_slots[t]
+        among them): the nodes of token trees (specserve/model/trees.py), each slot a branch.
+        A node reads its branch as the chain of its path would, so its logits are that
+        chain's, to the bit. Returns (logits [T, vocab] float32, their argmax where the
+        compiled steps made it, else None)."""
+        assert self.exact_attention, "token trees need exact attention"
+        assert all(p < self.max_len for p in positions), "a node runs past its cache slot"
+        writes = (
+            [t for t, slots in enumerate(write_slots) for _ in slots],
+            [slot for slots in write_slots for slot in slots],
+            [positions[t] for t, slots in enumerate(write_slots) for _ in slots],
+        )
+        steps = self.compiled_steps
+        if steps is not None and steps.ready:
+            logits, argmax = steps.step_with_argmax(read_slots, positions, tokens, writes)
+            return logits, argmax.tolist()
+        layout = BatchLayout(
+            slots=torch.tensor(read_slots, device=self.device),
+            token_slots=torch.tensor(read_slots, device=self.device),
+            token_positions=torch.tensor(positions, device=self.device),
+            pad_index=torch.arange(len(tokens), device=self.device),
+            n_max=1,
+            kv_len=max(positions) + 1,
+            mask=None,
+            single=None,
+            exact=True,
+            writes=tuple(torch.tensor(column, device=self.device) for column in writes),
+        )
+        x = self._layers(torch.tensor(tokens, dtype=torch.long, device=self.device), layout)
+        return final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps), None
+
+    def copy_positions(self, source: int, target: int, start: int, end: int) -> None:
+        """The keys and values of positions start..end - 1 of slot source into slot target."""
+        if end > start and source != target:
+            for cache in (*self.k_cache, *self.v_cache):
+                cache[target, :, start:end] = cache[source, :, start:end]
+
+    @torch.inference_mode()
     def forward_eager(
         self, slots: list[int], starts: list[int], tokens: list[list[int]], num_logits: list[int]
     ) -> list[torch.Tensor]:
         """forward() op by op."""
         counts = [len(t) for t in tokens]
         layout = self._layout(slots, starts, counts)
-        ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=self.device)  # [T]
-        x = self.embed[ids].to(self.dtype)  # [T, hidden]
-        cos, sin = self._rope(layout)  # [T, head_dim]
-        for index, layer in enumerate(self.layers):
-            x = decoder_layer(x, layer, self.spec, cos, sin, self._attend(index, layout))
+        x = self._layers(torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=self.device), layout)
         if len(counts) == 1:
             selected = x[-num_logits[0] :]
         else:
@@ -250,6 +290,14 @@ class LlamaRunner:
             selected = x[picked]
         logits = final_logits(selected, self.norm, self.lm_head, self.spec.rms_norm_eps)  # [sum(num_logits), vocab]
         return list(logits.split(num_logits))
+
+    def _layers(self, ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """The decoder layers over tokens ids [T]: the last layer's x [T, hidden]."""
+        x = self.embed[ids].to(self.dtype)  # [T, hidden]
+        cos, sin = self._rope(layout)  # [T, head_dim]
+        for index, layer in enumerate(self.layers):
+            x = decoder_layer(x, layer, self.spec, cos, sin, self._attend(index, layout))
+        return x
 
     def _layout(self, slots: list[int], starts: list[int], counts: list[int]) -> BatchLayout:
         # Index lists are built in Python: a forward's few hundred ints cost less that way
@@ -300,7 +348,11 @@ class LlamaRunner:
         k_cache, v_cache = self.k_cache[index], self.v_cache[index]  # [slots, kv_heads, max_len, d]
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if layout.single is not None:
+            if layout.writes is not None:
+                written, slots, positions = layout.writes
+                k_cache[slots, :, positions] = k[written]  # writes the new keys, on every branch
+                v_cache[slots, :, positions] = v[written]
+            elif layout.single is not None:
                 slot, start = layout.single
                 k_cache[slot, :, start : start + k.shape[0]] = k.transpose(0, 1)  # writes the new keys
                 v_cache[slot, :, start : start + k.shape[0]] = v.transpose(0, 1)

@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from specserve.paths import DEMO_DRAFT, DEMO_TARGET
+from specserve.trees import TreeShape
 
 WORKLOADS = ("code", "edit", "chat", "mixed")
 
@@ -67,6 +68,7 @@ class Row:
     adaptive: bool = False
     pipeline: bool = False
     min_draft_probability: float = 0.0
+    tree: str = ""  # a token tree's shape as given (--tree); "": chains
     requests: int = 0
     completion_tokens: int = 0
     wall_seconds: float = 0.0
@@ -85,6 +87,8 @@ class Row:
     @property
     def label(self) -> str:
         label = row_label(self.method, self.k, self.adaptive, self.pipeline, self.min_draft_probability)
+        if self.tree:
+            label = f"{self.method} tree {self.tree}" + (" adaptive" if self.adaptive else "")
         return f"{label} {self.dtype}" if self.dtype else label
 
     @property
@@ -191,6 +195,8 @@ def stream_one(
         speculation.update(
             adaptive=row.adaptive, pipeline=row.pipeline, min_draft_probability=row.min_draft_probability
         )
+    if row.tree:
+        speculation["tree"] = TreeShape.parse(row.tree).paths()
     body = {"max_tokens": max_tokens, "temperature": row.temperature, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}, "return_timings": True, "return_token_ids": True,
             "speculation": speculation}  # fmt: skip
@@ -288,6 +294,12 @@ def plan_rows(args) -> list[Row]:
                                     min_draft_probability=args.adaptive_min_probability))  # fmt: skip
                 if args.pipeline:
                     rows += [Row(workload, temperature, clients, "draft_model", k, pipeline=True) for k in args.k]
+                for tree in args.tree:
+                    size = len(TreeShape.parse(tree))
+                    rows.append(Row(workload, temperature, clients, "draft_model", size, tree=tree))
+                    if args.adaptive:
+                        rows.append(Row(workload, temperature, clients, "draft_model", max(args.k), adaptive=True,
+                                        tree=tree))  # fmt: skip
                 if clients == 1 and args.transformers:
                     rows += [Row(workload, temperature, 1, "hf_target", dtype=dtype) for dtype in args.hf_dtypes]
                     rows.append(Row(workload, temperature, 1, "hf_assisted", dtype=args.hf_dtypes[0]))
@@ -612,6 +624,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--adaptive-min-probability", type=float, default=ADAPTIVE_MIN_PROBABILITY,
                         help="the adaptive row's min_draft_probability: drafting stops below it")  # fmt: skip
     parser.add_argument("--pipeline", action="store_true", help="add pipelined draft_model rows for each K")
+    parser.add_argument("--tree", nargs="+", default=[], metavar="SHAPE",
+                        help="add a draft_model row per token tree (children per depth '2,1,1' or paths "
+                             "'[[0],[0,0],[1]]'), and an adaptive one with --adaptive")  # fmt: skip
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="clients at once")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")

@@ -26,6 +26,14 @@ class SparseDistribution(_message.Message):
     probs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class TokenTree(_message.Message):
+    __slots__ = ("parents", "ranks")
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, parents: _Optional[_Iterable[int]] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
     __slots__ = ("model_name", "vocab_size", "max_context_length", "eos_token_ids", "max_speculative_tokens", "tokenizer_fingerprint", "device", "local_methods")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]

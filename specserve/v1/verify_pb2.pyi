@@ -28,21 +28,23 @@ class PrefillResponse(_message.Message):
     def __init__(self, next_token_id: _Optional[int] = ..., num_verified: _Optional[int] = ..., server_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "num_verified", "draft_token_ids", "draft_distributions", "sampling")
+    __slots__ = ("session_id", "num_verified", "draft_token_ids", "draft_distributions", "sampling", "draft_parents")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_verified: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., num_verified: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., num_verified: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "num_verified", "batch_size", "server_seconds", "forward_seconds", "kernel_seconds")
+    __slots__ = ("num_accepted", "next_token_id", "num_verified", "batch_size", "server_seconds", "forward_seconds", "kernel_seconds", "accepted_token_ids")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +52,7 @@ class VerifyResponse(_message.Message):
     SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KERNEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     num_verified: int
@@ -57,7 +60,8 @@ class VerifyResponse(_message.Message):
     server_seconds: float
     forward_seconds: float
     kernel_seconds: float
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., num_verified: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ...) -> None: ...
+    accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., num_verified: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("session_id", "num_verified", "max_tokens", "sampling", "speculation")
@@ -74,23 +78,25 @@ class DecodeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_verified: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
 
 class Speculation(_message.Message):
-    __slots__ = ("method", "num_speculative_tokens", "adaptive", "adaptive_k_min", "adaptive_k_max", "min_draft_probability")
+    __slots__ = ("method", "num_speculative_tokens", "adaptive", "adaptive_k_min", "adaptive_k_max", "min_draft_probability", "tree")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_K_MIN_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_K_MAX_FIELD_NUMBER: _ClassVar[int]
     MIN_DRAFT_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     method: str
     num_speculative_tokens: int
     adaptive: bool
     adaptive_k_min: int
     adaptive_k_max: int
     min_draft_probability: float
-    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., adaptive_k_min: _Optional[int] = ..., adaptive_k_max: _Optional[int] = ..., min_draft_probability: _Optional[float] = ...) -> None: ...
+    tree: _common_pb2.TokenTree
+    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., adaptive_k_min: _Optional[int] = ..., adaptive_k_max: _Optional[int] = ..., min_draft_probability: _Optional[float] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_id", "num_verified", "batch_size", "server_seconds", "forward_seconds", "kernel_seconds", "accepted_token_ids", "num_draft_tokens", "draft_seconds")
+    __slots__ = ("token_id", "num_verified", "batch_size", "server_seconds", "forward_seconds", "kernel_seconds", "accepted_token_ids", "num_draft_tokens", "draft_seconds", "tree")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +106,7 @@ class DecodeResponse(_message.Message):
     ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     num_verified: int
     batch_size: int
@@ -109,7 +116,8 @@ class DecodeResponse(_message.Message):
     accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
     draft_seconds: float
-    def __init__(self, token_id: _Optional[int] = ..., num_verified: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+    tree: bool
+    def __init__(self, token_id: _Optional[int] = ..., num_verified: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., tree: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
