@@ -69,6 +69,8 @@ def tree_rejection_sample_reference(
     path = torch.full((batch, d_max), -1, dtype=torch.int64, device=target_probs.device)
     for c in range(1, n_max):
         tried = (c < num_nodes) & (parents[:, c] == current)
+        if not bool(tried.any()):  # a node off every row's walk changes nothing (and costs a loop)
+            continue
         ids, probs = q_ids[rows, current], q_probs[rows, current]  # [batch, support]
         token = tokens[:, c]
         hits = ids == token[:, None]

@@ -163,12 +163,13 @@ def test_greedy_tree_rounds_through_the_stack_make_the_target_only_tokens(reques
     from tests.test_e2e import PROMPTS, complete
 
     stack = request.getfixturevalue(stack_name)
-    trees = ([2, 2, 1], [[0], [0, 0], [0, 0, 0], [1], [0, 1]], [3])
+    trees = ([2, 2, 1], [[0], [0, 0], [0, 0, 0], [1], [0, 1]], [3], ("early_exit", [2, 1, 1]))
     jobs = [(prompt, tree) for prompt in PROMPTS[:3] for tree in (*trees, None)]
 
     def run(job):
         prompt, tree = job
-        speculation = {"method": "none"} if tree is None else {"tree": tree, "adaptive": False}
+        method, tree = tree if isinstance(tree, tuple) else ("draft_model", tree)
+        speculation = {"method": "none"} if tree is None else {"method": method, "tree": tree, "adaptive": False}
         return complete(stack.url, prompt=list(prompt), max_tokens=40, temperature=0, return_token_ids=True,
                         speculation=speculation)  # fmt: skip
 
