@@ -19,8 +19,27 @@ UTF-8. The split is by file: a file is held out when
 ``int(sha1(relative posix path).hexdigest(), 16) % 20 == 0`` (about 5 %); the list is
 written to ``models/demo/heldout_files.txt`` so later benchmarks use the same split.
 
-Sizes, measured on this machine (2 cores, fp32, torch 2.13, batches of 16 x 256 tokens,
-training step = forward + backward + AdamW; 6 x 384 at 8 x 512 tokens: 864 tok/s):
+Data. Batches of 8 sequences of 512 tokens: 5 of corpus text, 2 of edit copies (a function,
+then the same function with an identifier renamed, a literal changed, or unchanged) and 1
+of chat turns (a function's docstring as the user's request, the function as the answer,
+in the chat template), all derived from the training files by
+``specserve/tools/demo_corpus.py``. The copies teach the target to continue a copy of its
+context (the edit, refactor and retrieval workloads), the chat turns to answer a request
+with Python. ``--stage probe`` scores a pair on held-out functions and their renamed copies
+(teacher-forced agreement with the copy), on random token runs repeated once (induction:
+only copying scores) and on six chat requests (does the answer define a function that
+parses).
+
+Precision. Training steps run under bfloat16 autocast where the CPU has bfloat16
+arithmetic (AVX512-BF16 or AMX; float32 weights and optimizer state): 6 x 384 at 8 x 512
+tokens trained at 2536 tok/s against 1530 in float32 on 2026-12-05's machine (1.66x), which
+is what buys the longer run. Elsewhere (``--precision float32`` or no bf16 in /proc/cpuinfo)
+it trains in float32.
+
+Sizes, measured on this machine in float32 on 2026-12-03 (2 cores, torch 2.13, batches of
+16 x 256 tokens, training step = forward + backward + AdamW; 6 x 384 at 8 x 512 tokens: 864
+tok/s; the same step took 1530 on 2026-12-05's machine, and 2536 under bf16 autocast; 8 x 384
+1893 and 6 x 448 1952 under bf16):
 
     shape (layers x width)  params   train tok/s   batched fwd tok/s   1-token decode
     6 x 384 (ffn 1024)      13.8 M      854-927        3500-3700          ~13 ms
@@ -38,12 +57,16 @@ per-layer framework overhead on a CPU and shows ~7x). A narrower target (6 x 320
 8 x 256) would train ~50 % more tokens in the same time but leaves no room for a draft
 8x cheaper that is still useful. The target therefore is 6 x 384 at 512-token context.
 
+With bf16 training the budget stays 6 x 384: a wider or deeper target (8 x 384, 17.3 M
+parameters; 6 x 448, 18.3 M) trains 25 % fewer tokens in the same time and would need a
+wider draft to stay useful, which breaks the 8x. The extra throughput goes into tokens.
+
 The token budgets are fixed (reproducible), sized for the wall clock actually seen here:
 this machine is shared, and while other work runs (test suites starting services) the
 measured rate of the same 6 x 384 step fell from ~860 to 250-490 tok/s (a busy competing
 core alone gave 243 tok/s at 2 threads, 149 at 1, so 2 threads stay the better choice).
-The target trains 3.0 M tokens, one epoch of the 3.03 M-token train split: ~60 min at
-~860 tok/s, ~90 min at 550 tok/s. The draft, 2 x 128, is distilled on 2.5 M tokens; each
+The target trains 8.0 M tokens (5.0 M of corpus text, 1.65 epochs of the 3.03 M-token train
+split; 2.0 M of edit copies; 1.0 M of chat turns): ~55 min at 2500 tok/s under bf16. The draft, 2 x 128, is distilled on 2.5 M tokens; each
 step runs the target forward (no grad) and trains the draft, ~2500 tok/s uncontended
 (~17 min), after sampling 384 target continuations of 448 tokens (~5 min uncontended).
 
@@ -79,6 +102,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specserve.tools.demo_corpus import copy_probe_pairs, derived_documents
+
 log = logging.getLogger("specserve.tools.train_demo")
 
 EOS = "<|endoftext|>"
@@ -103,6 +128,7 @@ CHAT_TEMPLATE = (
 )
 
 STAGES = ("tokenizer", "target", "draft", "export", "eval")
+PRECISIONS = ("auto", "float32", "bfloat16")
 EXPORT_DTYPE = torch.float16
 ADAM_BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.1
@@ -152,7 +178,7 @@ class TrainDemoConfig:
     max_positions: int = 1024  # serve-time prompt + completion, beyond the training context
     target_shape: ModelShape = ModelShape(6, 384, 6, 1024)
     draft_shape: ModelShape = ModelShape(2, 128, 2, 384)
-    target_tokens: int = 3_000_000
+    target_tokens: int = 8_000_000
     draft_tokens: int = 2_500_000
     target_lr: float = 1e-3
     draft_lr: float = 3e-3
@@ -160,7 +186,10 @@ class TrainDemoConfig:
     sample_count: int = 384  # target-sampled sequences mixed into distillation
     sample_prefix: int = 64  # corpus tokens each sampled sequence starts from
     sample_temperature: float = 0.9
-    sampled_per_batch: int = 2  # of batch_seqs; the rest is corpus text
+    sampled_per_batch: int = 2  # of batch_seqs (the draft's); the rest is corpus text
+    copy_per_batch: int = 2  # of batch_seqs: edit-copy documents (specserve/tools/demo_corpus.py)
+    chat_per_batch: int = 1  # of batch_seqs: chat turns rendered in the chat template
+    precision: str = "auto"  # training matmuls: bfloat16 (autocast) where the CPU has bf16 arithmetic
     eval_seqs: int = 24  # held-out sequences scored during training
     eval_every: int = 100
     log_every: int = 10
@@ -172,8 +201,11 @@ class TrainDemoConfig:
             raise ValueError("vocab_size must hold the 256 byte tokens and fit in uint16")
         if self.max_positions < self.seq_len:
             raise ValueError("max_positions must be at least seq_len")
-        if not 0 <= self.sampled_per_batch < self.batch_seqs:
-            raise ValueError("sampled_per_batch must leave at least one corpus sequence")
+        mixed = (self.sampled_per_batch, self.copy_per_batch, self.chat_per_batch)
+        if min(mixed) < 0 or sum(mixed) >= self.batch_seqs:
+            raise ValueError("sampled, copy and chat sequences per batch must leave at least one corpus sequence")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
         if not 0 < self.sample_prefix < self.seq_len:
             raise ValueError("sample_prefix must be inside a sequence")
         if self.sample_temperature <= 0:
@@ -325,10 +357,14 @@ def run_tokenizer_stage(cfg: TrainDemoConfig) -> None:
     check_chat_template(tokenizer)
     train_stream = encode_documents(tokenizer, list(train.values()))
     heldout_stream = encode_documents(tokenizer, list(heldout.values()))
+    copies, chats = derived_documents(list(train.values()), cfg.seed, copies=10**9, chats=10**9)
+    derived = {"copy": encode_documents(tokenizer, copies), "chat": encode_documents(tokenizer, chats)}
     data_dir.mkdir(parents=True, exist_ok=True)
     save_tokenizer(tokenizer, cfg.run_dir / "tokenizer")
     np.save(data_dir / "train.npy", train_stream)
     np.save(data_dir / "heldout.npy", heldout_stream)
+    for name, stream in derived.items():
+        np.save(data_dir / f"{name}.npy", stream)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     (cfg.out_dir / "heldout_files.txt").write_text("".join(f"{rel}\n" for rel in heldout))
     train_bytes = sum(len(t.encode("utf-8")) for t in train.values())
@@ -337,6 +373,8 @@ def run_tokenizer_stage(cfg: TrainDemoConfig) -> None:
         "train_files": len(train), "heldout_files": len(heldout),
         "train_bytes": train_bytes, "train_tokens": int(len(train_stream)),
         "heldout_tokens": int(len(heldout_stream)),
+        "copy_documents": len(copies), "copy_tokens": int(len(derived["copy"])),
+        "chat_documents": len(chats), "chat_tokens": int(len(derived["chat"])),
         "bytes_per_token": train_bytes / len(train_stream),
         "vocab_size": tokenizer.backend_tokenizer.get_vocab_size(),
         "wall_s": time.monotonic() - started,
@@ -345,6 +383,8 @@ def run_tokenizer_stage(cfg: TrainDemoConfig) -> None:
     log.info("tokenizer: vocab %d, %d train tokens (%.2f bytes/token), %d held-out tokens, %.0f s",
              meta["vocab_size"], meta["train_tokens"], meta["bytes_per_token"],
              meta["heldout_tokens"], meta["wall_s"])
+    log.info("derived: %d edit copies (%d tokens), %d chat turns (%d tokens)", len(copies),
+             meta["copy_tokens"], len(chats), meta["chat_tokens"])
 
 
 def load_tokenizer(cfg: TrainDemoConfig):
@@ -359,8 +399,50 @@ def load_tokenizer(cfg: TrainDemoConfig):
 def load_sequences(cfg: TrainDemoConfig, split: str) -> np.ndarray:
     path = cfg.run_dir / "data" / f"{split}.npy"
     if not path.exists():
-        raise SystemExit(f"no token cache at {path}: run --stage tokenizer first")
+        raise SystemExit(f"no token cache at {path}: run --stage tokenizer first (remove {path.parent} "
+                         "to make it again where an older recipe made it)")
     return to_sequences(np.load(path), cfg.seq_len)
+
+
+class BatchMix:
+    """Batch `step`'s rows: corpus sequences, then edit copies and chat turns (and, for the
+    draft, target samples), each source in its own seeded epoch order."""
+
+    def __init__(self, cfg: TrainDemoConfig, seed: int, extra: dict[str, tuple[np.ndarray, int]] | None = None):
+        self.seed = seed
+        self.sources = {"copy": (load_sequences(cfg, "copy"), cfg.copy_per_batch),
+                        "chat": (load_sequences(cfg, "chat"), cfg.chat_per_batch), **(extra or {})}
+        self.sources = {name: (seqs, n) for name, (seqs, n) in self.sources.items() if n > 0}
+        corpus = cfg.batch_seqs - sum(n for _, n in self.sources.values())
+        self.sources = {"train": (load_sequences(cfg, "train"), corpus), **self.sources}
+        for name, (seqs, _) in self.sources.items():
+            if len(seqs) == 0:
+                raise SystemExit(f"no {name} sequences of {cfg.seq_len} tokens: the corpus is too small")
+
+    def rows(self, step: int) -> torch.Tensor:
+        parts = [seqs[batch_rows(len(seqs), n, step, self.seed + i)]
+                 for i, (seqs, n) in enumerate(self.sources.values())]
+        return as_batch(np.concatenate(parts))  # [batch, seq]
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU does bfloat16 arithmetic itself (AVX512-BF16 or AMX): bfloat16
+    matmuls then train 1.7x faster than float32 here; without it they are emulated, slower."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def trains_in_bf16(cfg: TrainDemoConfig) -> bool:
+    return cfg.precision == "bfloat16" or (cfg.precision == "auto" and cpu_has_bf16())
+
+
+def training_autocast(cfg: TrainDemoConfig):
+    """Mixed precision for a training step: bfloat16 matmuls, float32 weights, optimizer
+    state and losses."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=trains_in_bf16(cfg))
 
 
 # -------------------------------------------------------------------------- models
@@ -581,15 +663,17 @@ def run_target_stage(cfg: TrainDemoConfig) -> None:
         log.info("target: done already (%s), skipping", work_dir)
         return
     vocab = len(load_tokenizer(cfg))
-    train_seqs = load_sequences(cfg, "train")  # [n, seq_len]
+    mix = BatchMix(cfg, cfg.seed)
     eval_seqs = load_sequences(cfg, "heldout")[:cfg.eval_seqs]
     model = new_model(cfg.target_shape, cfg, vocab)
-    log.info("target %s: %.2fM params, %d train sequences of %d", cfg.target_shape,
-             count_params(model) / 1e6, len(train_seqs), cfg.seq_len)
+    log.info("target %s: %.2fM params, batches of %s sequences of %d, %s", cfg.target_shape,
+             count_params(model) / 1e6, {name: n for name, (_, n) in mix.sources.items()}, cfg.seq_len,
+             "bfloat16 autocast" if trains_in_bf16(cfg) else "float32")
 
     def loss_at(step: int) -> torch.Tensor:
-        x = as_batch(train_seqs[batch_rows(len(train_seqs), cfg.batch_seqs, step, cfg.seed)])  # [batch, seq]
-        return model(input_ids=x, labels=x, use_cache=False).loss
+        x = mix.rows(step)  # [batch, seq]
+        with training_autocast(cfg):
+            return model(input_ids=x, labels=x, use_cache=False).loss
 
     job = TrainingJob(
         name="target", model=model, loss_at=loss_at, eval_name="loss",
@@ -603,7 +687,8 @@ def run_target_stage(cfg: TrainDemoConfig) -> None:
 
 def recipe_fingerprint(cfg: TrainDemoConfig, shape: ModelShape, tokens: int, lr: float) -> dict:
     return {"shape": str(shape), "tokens": tokens, "lr": lr, "seed": cfg.seed, "seq_len": cfg.seq_len,
-            "batch_seqs": cfg.batch_seqs, "vocab_size": cfg.vocab_size, "warmup": cfg.warmup_steps}
+            "batch_seqs": cfg.batch_seqs, "vocab_size": cfg.vocab_size, "warmup": cfg.warmup_steps,
+            "mix": [cfg.copy_per_batch, cfg.chat_per_batch]}
 
 
 # -------------------------------------------------------------------------- distillation
@@ -677,17 +762,16 @@ def run_draft_stage(cfg: TrainDemoConfig) -> None:
     samples = sample_from_target(target, train_seqs, cfg, work_dir / "samples")  # [sample_count, seq_len]
     sample_wall_s = time.monotonic() - sample_started
     draft = new_model(cfg.draft_shape, cfg, vocab)
-    log.info("draft %s: %.2fM params, distilling from %d corpus + %d sampled sequences", cfg.draft_shape,
-             count_params(draft) / 1e6, len(train_seqs), len(samples))
-    corpus_per_batch = cfg.batch_seqs - cfg.sampled_per_batch
+    mix = BatchMix(cfg, cfg.seed + 10, {"sampled": (samples, cfg.sampled_per_batch)})
+    log.info("draft %s: %.2fM params, distilling on batches of %s sequences", cfg.draft_shape,
+             count_params(draft) / 1e6, {name: n for name, (_, n) in mix.sources.items()})
 
     def loss_at(step: int) -> torch.Tensor:
-        corpus = train_seqs[batch_rows(len(train_seqs), corpus_per_batch, step, cfg.seed + 1)]
-        sampled = samples[batch_rows(len(samples), cfg.sampled_per_batch, step, cfg.seed + 2)]
-        x = as_batch(np.concatenate([corpus, sampled]))  # [batch, seq]
-        with torch.no_grad():
-            target_logits = target(input_ids=x, use_cache=False).logits  # [batch, seq, vocab]
-        return kl_target_draft(target_logits, draft(input_ids=x, use_cache=False).logits)
+        x = mix.rows(step)  # [batch, seq]
+        with training_autocast(cfg):
+            with torch.no_grad():
+                target_logits = target(input_ids=x, use_cache=False).logits  # [batch, seq, vocab]
+            return kl_target_draft(target_logits, draft(input_ids=x, use_cache=False).logits)
 
     job = TrainingJob(
         name="draft", model=draft, loss_at=loss_at, eval_name="kl",
@@ -888,6 +972,9 @@ def run_eval_stage(cfg: TrainDemoConfig) -> None:
     metrics["greedy_acceptance_on_target_output"] = greedy_acceptance(target, draft, heldout)
     costs = cost_ratios(target, draft, heldout, cfg.batch_seqs)
     activation = max_activation(target, as_batch(heldout[:cfg.batch_seqs]))
+    from transformers import AutoTokenizer
+
+    metrics["probes"] = probes(cfg, {"target": target, "draft": draft}, AutoTokenizer.from_pretrained(cfg.out_dir / "target"))
     log.info("eval: %s", json.dumps(metrics))
     log.info("eval: costs %s", json.dumps(costs))
     summaries = {name: read_json(cfg.run_dir / name / "summary.json") for name in ("target", "draft")}
@@ -899,6 +986,100 @@ def run_eval_stage(cfg: TrainDemoConfig) -> None:
     report["eval_wall_s"] = time.monotonic() - started
     write_json(cfg.out_dir / "training_report.json", report)
     log.info("eval: wrote %s", cfg.out_dir / "training_report.json")
+
+
+COPY_PROBES = 48  # held-out functions and their renamed copies
+INDUCTION_PROBES, INDUCTION_LENGTH = 16, 64  # random token runs, each repeated once
+CHAT_PROBES = (
+    "Write a function that reverses a string.",
+    "Write a function to return the largest of three numbers.",
+    "Write a Python function that counts the vowels in a string.",
+    "Write a function to check whether a number is prime.",
+    "Write a function that removes duplicate items from a list, keeping their order.",
+    "Write a function to read a file and return its lines without trailing whitespace.",
+)
+CHAT_NEW_TOKENS = 128
+
+
+@torch.no_grad()
+def copy_agreement(model, tokenizer, pairs: list[tuple[str, str]]) -> float:
+    """Teacher-forced: the fraction of a renamed copy's tokens that are the model's argmax
+    after the original function (the edit workload's situation)."""
+    hits = total = 0
+    for context, copy in pairs:
+        context_ids = [EOS_ID] + tokenizer.encode(context, add_special_tokens=False)
+        ids = (context_ids + tokenizer.encode(copy, add_special_tokens=False))[:model.config.max_position_embeddings]
+        start = len(context_ids)  # the copy's first token
+        if len(ids) <= start + 1:
+            continue
+        x = torch.tensor([ids])  # [1, seq]
+        predicted = model(input_ids=x, use_cache=False).logits[0, start - 1:-1].argmax(-1)  # [copy]
+        hits += (predicted == x[0, start:]).sum().item()
+        total += len(ids) - start
+    return hits / max(1, total)
+
+
+@torch.no_grad()
+def induction_accuracy(model, vocab: int, seed: int) -> float:
+    """Random token runs, each followed by itself: the fraction of the repeat's tokens
+    (after its first) that are the model's argmax. Only copying from context scores here."""
+    generator = torch.Generator().manual_seed(seed)
+    runs = torch.randint(len(SPECIAL_TOKENS), vocab, (INDUCTION_PROBES, INDUCTION_LENGTH), generator=generator)
+    x = torch.cat([torch.full((INDUCTION_PROBES, 1), EOS_ID), runs, runs], dim=1)  # [n, 1 + 2 L]
+    predicted = model(input_ids=x, use_cache=False).logits.argmax(-1)  # [n, 1 + 2 L]
+    second = slice(INDUCTION_LENGTH + 1, 2 * INDUCTION_LENGTH)  # predicting repeat tokens 2..L
+    return (predicted[:, second] == x[:, INDUCTION_LENGTH + 2:]).float().mean().item()
+
+
+@torch.no_grad()
+def chat_answers(model, tokenizer) -> list[dict]:
+    """Greedy answers to CHAT_PROBES through the chat template, and whether each parses as Python."""
+    answers = []
+    for request in CHAT_PROBES:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True)
+        prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+        new = continue_sequences(model, torch.tensor([prompt]), CHAT_NEW_TOKENS, 0.0, None)[0, len(prompt):].tolist()
+        new = new[:new.index(EOS_ID)] if EOS_ID in new else new
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        answers.append({"request": request, "answer": text, "ended": len(new) < CHAT_NEW_TOKENS,
+                        "parses": _parses(text), "defines_function": "def " in text})
+    return answers
+
+
+def _parses(text: str) -> bool:
+    import ast
+
+    try:
+        ast.parse(text)
+    except (SyntaxError, ValueError):
+        return False
+    return True
+
+
+def probes(cfg: TrainDemoConfig, models: dict, tokenizer) -> dict:
+    """The copy, induction and chat probes of each model (held-out functions for the copy)."""
+    _, heldout = load_corpus(stdlib_root(), cfg.max_files)
+    pairs = copy_probe_pairs(list(heldout.values()), COPY_PROBES, cfg.seed)
+    found = {}
+    for name, model in models.items():
+        found[name] = {"copy_agreement": copy_agreement(model, tokenizer, pairs),
+                       "induction_accuracy": induction_accuracy(model, model.config.vocab_size, cfg.seed)}
+        log.info("probe %s: %s", name, json.dumps(found[name]))
+    answers = chat_answers(models["target"], tokenizer)
+    found["chat"] = {"parses": sum(a["parses"] and a["defines_function"] for a in answers) / len(answers),
+                     "answers": answers}
+    log.info("probe chat: %d of %d answers define a function and parse", round(found["chat"]["parses"] *
+             len(answers)), len(answers))
+    return found
+
+
+def run_probe_stage(cfg: TrainDemoConfig) -> None:
+    """The probes of the models in out_dir (the shipped pair, or a run's export)."""
+    from transformers import AutoTokenizer
+
+    models = {name: load_model(cfg.out_dir / name, dtype=EXPORT_DTYPE) for name in ("target", "draft")}
+    write_json(cfg.run_dir / "probes.json", probes(cfg, models, AutoTokenizer.from_pretrained(cfg.out_dir / "target")))
+    log.info("probe: wrote %s", cfg.run_dir / "probes.json")
 
 
 def expected_tokens_per_round(alpha: float, k: int) -> float:
@@ -964,12 +1145,12 @@ def read_json(path: Path):
     return json.loads(path.read_text())
 
 
-FLAG_TYPES = {int: int, float: float, Path: Path, ModelShape: ModelShape.parse}
+FLAG_TYPES = {int: int, float: float, str: str, Path: Path, ModelShape: ModelShape.parse}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve train-demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", default="all", choices=("all", "measure") + STAGES, help="default all")
+    parser.add_argument("--stage", default="all", choices=("all", "measure", "probe") + STAGES, help="default all")
     parser.add_argument("--smoke", action="store_true", help="tiny run in a temporary directory")
     hints = typing.get_type_hints(TrainDemoConfig)
     for f in dataclasses.fields(TrainDemoConfig):
@@ -997,7 +1178,8 @@ def setup_logging(run_dir: Path) -> None:
 
 
 STAGE_RUNNERS = {"tokenizer": run_tokenizer_stage, "target": run_target_stage, "draft": run_draft_stage,
-                 "export": run_export_stage, "eval": run_eval_stage, "measure": run_measure_stage}
+                 "export": run_export_stage, "eval": run_eval_stage, "measure": run_measure_stage,
+                 "probe": run_probe_stage}
 
 
 def main(argv: list[str] | None = None) -> int:
