@@ -236,7 +236,7 @@ def smoke_config(run_root: Path) -> TrainDemoConfig:
         run_dir=run_root / "run", out_dir=run_root / "out", vocab_size=512, seq_len=64,
         batch_seqs=4, max_positions=128, target_shape=ModelShape(2, 64, 2, 128),
         draft_shape=ModelShape(1, 32, 1, 64), target_tokens=6_000, draft_tokens=4_000,
-        warmup_steps=3, sample_count=8, sample_prefix=16, sampled_per_batch=1,
+        warmup_steps=3, sample_count=8, sample_prefix=16, sampled_per_batch=1, copy_per_batch=1,
         eval_seqs=4, eval_every=10, log_every=5, max_files=24,
     )
 
