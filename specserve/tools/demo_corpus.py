@@ -48,8 +48,8 @@ REQUESTS = (
 )
 
 
-def functions(source: str) -> list[tuple[ast.FunctionDef, str]]:
-    """Every function of MIN_LINES..MAX_LINES lines in source, with its dedented source."""
+def functions(source: str, min_lines: int = MIN_LINES, max_lines: int = MAX_LINES) -> list[tuple[ast.FunctionDef, str]]:
+    """Every function of min_lines..max_lines lines in source, with its dedented source."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -57,7 +57,7 @@ def functions(source: str) -> list[tuple[ast.FunctionDef, str]]:
     found = []
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            if MIN_LINES <= node.end_lineno - node.lineno + 1 <= MAX_LINES:
+            if min_lines <= node.end_lineno - node.lineno + 1 <= max_lines:
                 segment = ast.get_source_segment(source, node, padded=True)
                 if segment:
                     found.append((node, textwrap.dedent(segment)))

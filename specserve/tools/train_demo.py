@@ -86,7 +86,9 @@ draft is distilled against the target rounded to fp16, i.e. against the model th
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -417,11 +419,11 @@ class BatchMix:
 
     def __init__(self, cfg: TrainDemoConfig, seed: int, extra: dict[str, tuple[np.ndarray, int]] | None = None):
         self.seed = seed
-        self.sources = {"copy": (load_sequences(cfg, "copy"), cfg.copy_per_batch),
-                        "chat": (load_sequences(cfg, "chat"), cfg.chat_per_batch), **(extra or {})}
-        self.sources = {name: (seqs, n) for name, (seqs, n) in self.sources.items() if n > 0}
-        corpus = cfg.batch_seqs - sum(n for _, n in self.sources.values())
-        self.sources = {"train": (load_sequences(cfg, "train"), corpus), **self.sources}
+        mixed = {"copy": cfg.copy_per_batch, "chat": cfg.chat_per_batch}
+        mixed = {name: (load_sequences(cfg, name), n) for name, n in mixed.items() if n > 0}
+        mixed.update((name, (seqs, n)) for name, (seqs, n) in (extra or {}).items() if n > 0)
+        corpus = cfg.batch_seqs - sum(n for _, n in mixed.values())
+        self.sources = {"train": (load_sequences(cfg, "train"), corpus), **mixed}
         for name, (seqs, _) in self.sources.items():
             if len(seqs) == 0:
                 raise SystemExit(f"no {name} sequences of {cfg.seq_len} tokens: the corpus is too small")
@@ -432,6 +434,7 @@ class BatchMix:
         return as_batch(np.concatenate(parts))  # [batch, seq]
 
 
+@functools.cache
 def cpu_has_bf16() -> bool:
     """Whether this CPU does bfloat16 arithmetic itself (AVX512-BF16 or AMX): bfloat16
     matmuls then train 1.7x faster than float32 here; without it they are emulated, slower."""
@@ -1045,7 +1048,7 @@ def chat_answers(model, tokenizer) -> list[dict]:
     answers = []
     for request in CHAT_PROBES:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True)
-        prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+        prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt  # a BatchEncoding in transformers 5
         new = continue_sequences(model, torch.tensor([prompt]), CHAT_NEW_TOKENS, 0.0, None)[0, len(prompt):].tolist()
         new = new[:new.index(EOS_ID)] if EOS_ID in new else new
         text = tokenizer.decode(new, skip_special_tokens=True)
@@ -1055,8 +1058,6 @@ def chat_answers(model, tokenizer) -> list[dict]:
 
 
 def _parses(text: str) -> bool:
-    import ast
-
     try:
         ast.parse(text)
     except (SyntaxError, ValueError):
@@ -1066,8 +1067,10 @@ def _parses(text: str) -> bool:
 
 def probes(cfg: TrainDemoConfig, models: dict, tokenizer) -> dict:
     """The copy, induction and chat probes of each model (held-out functions for the copy)."""
-    _, heldout = load_corpus(stdlib_root(), cfg.max_files)
-    pairs = copy_probe_pairs(list(heldout.values()), COPY_PROBES, cfg.seed)
+    from specserve.tools.workloads import heldout_sources
+
+    sources = [text for _, text in heldout_sources(cfg.out_dir / "heldout_files.txt")]
+    pairs = copy_probe_pairs(sources, COPY_PROBES, cfg.seed)
     found = {}
     for name, model in models.items():
         found[name] = {"copy_agreement": copy_agreement(model, tokenizer, pairs),

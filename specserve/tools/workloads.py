@@ -62,19 +62,15 @@ def function_headers(count: int) -> list[str]:
 
 
 def _functions(min_lines: int, max_lines: int) -> list[tuple[ast.FunctionDef, str]]:
-    """Held-out functions of min_lines..max_lines lines, with their dedented source."""
-    found = []
-    for _, text in heldout_sources():
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and min_lines <= node.end_lineno - node.lineno + 1 <= max_lines:
-                source = ast.get_source_segment(text, node, padded=True)
-                if source:
-                    found.append((node, textwrap.dedent(source)))
-    return found
+    """Held-out functions (not async ones) of min_lines..max_lines lines, with their dedented source."""
+    from specserve.tools.demo_corpus import functions
+
+    return [
+        (node, source)
+        for _, text in heldout_sources()
+        for node, source in functions(text, min_lines, max_lines)
+        if isinstance(node, ast.FunctionDef)
+    ]
 
 
 def edit_prompts(count: int) -> list[str]:
