@@ -24,9 +24,13 @@ def complete(client: httpx.Client, url: str, prompt: str, **body) -> dict:
 
 
 def acceptance(url: str, prompts: list[str], k: int, temperature: float, max_tokens: int) -> dict:
-    body = {"max_tokens": max_tokens, "temperature": temperature, "speculation": {"num_speculative_tokens": k}}
-    with httpx.Client() as client, ThreadPoolExecutor(4) as pool:
-        replies = list(pool.map(lambda ip: complete(client, url, ip[1], seed=ip[0], **body), enumerate(prompts)))
+    """Rounds of K drafts (adaptive K off), one request at a time: a stack on a CPU speculates
+    only while a single request runs (--max-speculating-requests), so concurrent requests
+    would measure target-only rounds."""
+    speculation = {"num_speculative_tokens": k, "adaptive": False}
+    body = {"max_tokens": max_tokens, "temperature": temperature, "speculation": speculation}
+    with httpx.Client() as client:
+        replies = [complete(client, url, prompt, seed=i, **body) for i, prompt in enumerate(prompts)]
     drafts = sum(r["usage"]["speculation"]["num_drafts"] for r in replies)
     draft_tokens = sum(r["usage"]["speculation"]["num_draft_tokens"] for r in replies)
     accepted = sum(r["usage"]["speculation"]["num_accepted_tokens"] for r in replies)
@@ -84,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         for k in (2, 4, 8):
             rows.append(acceptance(args.url, prompts, k, temperature, args.max_tokens))
             row = rows[-1]
+            if row["rounds"] == 0:
+                print(f"K={k} T={temperature}: no speculative rounds (does the stack draft?)", flush=True)
+                continue
             print(
                 f"K={k} T={temperature}: mean accepted length {row['mean_accepted_length']:.2f} "
                 f"(acceptance {row['acceptance_rate']:.2f}, {row['rounds']} rounds)",
