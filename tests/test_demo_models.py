@@ -37,3 +37,39 @@ def test_the_training_recipe_runs_end_to_end_in_smoke_mode(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     for name in ("target", "draft"):
         assert AutoModelForCausalLM.from_pretrained(tmp_path / "out" / name) is not None
+
+
+def test_the_attention_guide_sees_the_attention_the_model_computes():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specserve.tools.train_demo import GUIDED_HEADS, AttentionGuide
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, attn_implementation="eager")  # fmt: skip
+    model = LlamaForCausalLM(config)
+    guide = AttentionGuide(model)
+    x = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 9, 5]])  # [1, seq]: repeats give the induction head targets
+    attentions = model(input_ids=x, output_attentions=True).attentions  # per layer [1, heads, seq, seq]
+    for layer, head in GUIDED_HEADS:
+        torch.testing.assert_close(guide.log_attention(layer, head).exp(), attentions[layer][:, head])
+    # Trained on the guide's loss alone, the two heads take the circuit's patterns on runs
+    # they never saw: the previous position, and the position after the earlier occurrence.
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(60):
+        run = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(step))
+        model(input_ids=torch.cat([run, run], dim=1))
+        guide.loss(torch.cat([run, run], dim=1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    run = torch.randperm(64, generator=torch.Generator().manual_seed(999))[:12][None]  # [1, 12], no repeats
+    with torch.no_grad():
+        model(input_ids=torch.cat([run, run], dim=1))
+        previous = guide.log_attention(*GUIDED_HEADS[0]).exp()[0]  # [seq, seq]
+        induction = guide.log_attention(*GUIDED_HEADS[1]).exp()[0]  # [seq, seq]
+    assert previous.diagonal(offset=-1).mean() > 0.9
+    assert torch.stack([induction[12 + i, 1 + i] for i in range(11)]).mean() > 0.5
+    guide.remove()
+    guide.inputs.clear()
+    model(input_ids=x)
+    assert not guide.inputs  # no hook runs after remove()

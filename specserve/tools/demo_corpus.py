@@ -25,6 +25,8 @@ import re
 import textwrap
 import tokenize
 
+import numpy as np
+
 EOS = "<|endoftext|>"
 MIN_LINES, MAX_LINES = 4, 40  # functions short enough that a copy fits the training context
 SKIPPED_NAMES = frozenset(keyword.kwlist) | frozenset(dir(builtins)) | {"self", "cls"}
@@ -39,6 +41,11 @@ EDIT_NOTES = (
     "\n# Copy of {function} with {old} called {new}.\n",
     "\n# {function}, again:\n",
 )
+REPEAT_RUN_TOKENS = (8, 96)  # a repeated run's length, uniform in this range
+REPEAT_GAP_TOKENS = 24  # corpus tokens between a run and its copy: 0 up to this
+RANDOM_RUN_SHARE = 0.5  # runs of uniformly random tokens; the rest are corpus spans
+EDITED_COPY_SHARE = 0.3  # copies with one token changed
+IGNORE_LABEL = -100  # a position left out of the loss (transformers' ignore index)
 REQUESTS = (
     "Write a function to {doc}",
     "Write a Python function `{name}` that does this: {doc}",
@@ -191,3 +198,38 @@ def copy_probe_pairs(sources: list[str], count: int, seed: int) -> list[tuple[st
             pairs.append((f"{code}\n", copy))
     rng.shuffle(pairs)
     return pairs[:count]
+
+
+def repeat_row(
+    stream: np.ndarray, seq_len: int, rng: np.random.Generator, first_id: int, vocab: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """One training row of repeated runs: (tokens, labels), both [seq_len]. Runs of corpus
+    tokens (`stream`) or of random ids in first_id..vocab-1, each followed by a gap of corpus
+    text and then by the run again (sometimes with one token changed); a random run's first
+    occurrence is IGNORE_LABEL in labels, since nothing predicts it."""
+    tokens: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    filled = 0
+
+    def span(length: int) -> np.ndarray:
+        start = int(rng.integers(0, len(stream) - length))
+        return stream[start : start + length].astype(np.int64)
+
+    while filled < seq_len:
+        length = int(rng.integers(REPEAT_RUN_TOKENS[0], REPEAT_RUN_TOKENS[1] + 1))
+        if rng.random() < RANDOM_RUN_SHARE:
+            run = rng.integers(first_id, vocab, length)
+            tokens.append(run)
+            labels.append(np.full(length, IGNORE_LABEL))
+        else:
+            run = span(length)
+            tokens.append(run)
+            labels.append(run)
+        gap = span(int(rng.integers(0, REPEAT_GAP_TOKENS + 1)))
+        copy = run.copy()
+        if rng.random() < EDITED_COPY_SHARE:
+            copy[int(rng.integers(0, length))] = int(rng.integers(first_id, vocab))
+        tokens += [gap, copy]
+        labels += [gap, copy]
+        filled += 2 * length + len(gap)
+    return np.concatenate(tokens)[:seq_len], np.concatenate(labels)[:seq_len]

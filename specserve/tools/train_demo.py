@@ -4,13 +4,14 @@ The pair is a small Python-code *target* and a distilled *draft* that shares its
 and is trained to agree with it (high acceptance in speculative decoding, see docs/design.md).
 
 The defaults are recipe v2 (2026-12-05); the shipped pair is v1's, which ``--copy-per-batch 0
---chat-per-batch 0 --target-tokens 3000000 --precision float32`` makes again. v2's first run
-(models/demo/README.md, "Recipe v2") made a much better target (held-out perplexity 36
-against 65) whose 2 x 128 draft agrees far less (greedy acceptance 0.62 against 0.85), so
-it is not shipped.
+--chat-per-batch 0 --target-tokens 3000000 --precision float32 --copying-tokens 0
+--greedy-sample-count 0 --sampled-per-batch 2 --draft-tokens 2500000`` makes again. v2's
+second run (models/demo/README.md, "Recipe v2") made a better target (held-out perplexity
+27 against 65; copy agreement 0.48 against 0.24) whose 2 x 128 draft follows it less well
+(greedy acceptance 0.71 against 0.85), so it is not shipped.
 
 Run ``python -m specserve.tools.train_demo --stage all`` or
-one stage at a time: ``tokenizer``, ``target``, ``draft``, ``export``, ``eval``.
+one stage at a time: ``tokenizer``, ``target``, ``copying``, ``draft``, ``export``, ``eval``.
 ``--stage measure`` times a few training steps of candidate sizes; ``--smoke`` runs the
 whole code path on a tiny corpus in a temporary directory in about a minute. Rerunning a
 command resumes: finished stages are skipped and a training stage restarts from its last
@@ -31,7 +32,30 @@ of chat turns (a function's docstring as the user's request, the function as the
 in the chat template), all derived from the training files by
 ``specserve/tools/demo_corpus.py``. The copies teach the target to continue a copy of its
 context (the edit, refactor and retrieval workloads), the chat turns to answer a request
-with Python. ``--stage probe`` scores a pair on held-out functions and their renamed copies
+with Python. The draft distils on 2 corpus rows, the same 2 copy and 1 chat rows, and 3 of
+the target's own continuations (sampled and greedy). Every evaluation during the target's
+training also runs the copy and induction probes (below), so the curves show when copying
+appears.
+
+Copying phase. Next-token training alone did not make the target copy: after 8.0 M tokens
+(2.0 M of them edit copies) it continued a renamed copy of a held-out function 36 % of the
+time and a repeated random run never (0.00). Induction heads form late (after tens of
+millions of tokens at this batch and context: Aoyama et al., 2025, fit the point as
+10^5.7 x sqrt(batch x context) tokens: 32 M here), and here 200 steps of repeated runs alone
+(below, without the guide) left induction at 0.000, as 750 steps (3 M tokens) of nothing
+but repeated runs left a 2 x 128 model trained from scratch at 0.01. So
+the target's second phase (``copying``, 2.4 M tokens from the first phase's weights, a
+fresh warm-up to lr 1e-3 and cosine decay) adds two things: repeated runs (2 rows of 8:
+runs of 8-96 corpus or random tokens, a short gap, the run again, sometimes with one
+token changed; ``demo_corpus.repeat_row``), and an attention guide (``AttentionGuide``)
+that supervises two heads' attention patterns, the previous-token head (layer 0) and the
+induction head (layer 1, attending just after earlier occurrences of the current token).
+The guide forms both patterns within ~150 steps; what the heads write, and so copying
+itself, is learned by the next-token loss afterwards: induction 0.00, 0.02, 0.08, 0.11,
+0.19 and copy agreement 0.30 to 0.48 at steps 200-586, still rising when the phase ends.
+The shipped target is a plain Llama: the guide only adds a loss during training.
+
+``--stage probe`` scores a pair on held-out functions and their renamed copies
 (teacher-forced agreement with the copy), on random token runs repeated once (induction:
 only copying scores) and on six chat requests (does the answer define a function that
 parses).
@@ -73,9 +97,11 @@ measured rate of the same 6 x 384 step fell from ~860 to 250-490 tok/s (a busy c
 core alone gave 243 tok/s at 2 threads, 149 at 1, so 2 threads stay the better choice).
 The target trains 8.0 M tokens (5.0 M of corpus text, 1.65 epochs of the 3.03 M-token train
 split; 2.0 M of edit copies; 1.0 M of chat turns): 61 min at 2187 tok/s under bf16 in v2's
-first run. The draft, 2 x 128, is distilled on 2.5 M tokens; each step runs the target
-forward (no grad) and trains the draft: 11.2 min at 3724 tok/s under bf16 (v1: ~17 min in
-float32), after sampling 384 target continuations of 448 tokens (3.4 min; v1 ~5).
+first run. The copying phase, 2.4 M tokens, took 21.2 min (1890 tok/s: the guide's and the
+probes' work included). The draft, 2 x 128, is distilled on 6.0 M tokens; each step runs
+the target forward (no grad) and trains the draft: 29.1 min at 3440 tok/s under bf16 (v1:
+2.5 M tokens, ~17 min in float32), after making 384 sampled and 384 greedy target
+continuations of 448 tokens (7.7 min; v1 made 384 sampled ones in ~5).
 
 On disk both models are float16: their weights lie far inside fp16's range (the export
 checks it), and fp16 keeps 3 more mantissa bits than bfloat16, so the shipped weights
@@ -111,7 +137,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specserve.tools.demo_corpus import copy_probe_pairs, derived_documents
+from specserve.tools.demo_corpus import copy_probe_pairs, derived_documents, repeat_row
 
 log = logging.getLogger("specserve.tools.train_demo")
 
@@ -136,7 +162,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
 )
 
-STAGES = ("tokenizer", "target", "draft", "export", "eval")
+STAGES = ("tokenizer", "target", "copying", "draft", "export", "eval")
 PRECISIONS = ("auto", "float32", "bfloat16")
 EXPORT_DTYPE = torch.float16
 ADAM_BETAS = (0.9, 0.95)
@@ -188,16 +214,21 @@ class TrainDemoConfig:
     target_shape: ModelShape = ModelShape(6, 384, 6, 1024)
     draft_shape: ModelShape = ModelShape(2, 128, 2, 384)
     target_tokens: int = 8_000_000
-    draft_tokens: int = 2_500_000
+    draft_tokens: int = 6_000_000
     target_lr: float = 1e-3
     draft_lr: float = 3e-3
     warmup_steps: int = 30
     sample_count: int = 384  # target-sampled sequences mixed into distillation
     sample_prefix: int = 64  # corpus tokens each sampled sequence starts from
     sample_temperature: float = 0.9
-    sampled_per_batch: int = 2  # of batch_seqs (the draft's); the rest is corpus text
+    greedy_sample_count: int = 384  # and greedy continuations: the states greedy serving visits
+    sampled_per_batch: int = 3  # of batch_seqs (the draft's): target continuations, sampled or greedy
     copy_per_batch: int = 2  # of batch_seqs: edit-copy documents (specserve/tools/demo_corpus.py)
     chat_per_batch: int = 1  # of batch_seqs: chat turns rendered in the chat template
+    copying_tokens: int = 2_400_000  # the target's second phase: repeated runs, attention guided
+    copying_lr: float = 1e-3
+    repeat_per_batch: int = 2  # of batch_seqs in the copying phase: repeated runs (demo_corpus.repeat_row)
+    guide_weight: float = 1.0  # the attention guide's loss, next to the next-token loss
     precision: str = "auto"  # training matmuls: bfloat16 (autocast) where the CPU has bf16 arithmetic
     eval_seqs: int = 24  # held-out sequences scored during training
     eval_every: int = 100
@@ -210,9 +241,12 @@ class TrainDemoConfig:
             raise ValueError("vocab_size must hold the 256 byte tokens and fit in uint16")
         if self.max_positions < self.seq_len:
             raise ValueError("max_positions must be at least seq_len")
-        mixed = (self.sampled_per_batch, self.copy_per_batch, self.chat_per_batch)
-        if min(mixed) < 0 or sum(mixed) >= self.batch_seqs:
-            raise ValueError("sampled, copy and chat sequences per batch must leave at least one corpus sequence")
+        mixes = {"copying": (self.copy_per_batch, self.chat_per_batch, self.repeat_per_batch),
+                 "draft": (self.sampled_per_batch, self.copy_per_batch, self.chat_per_batch)}
+        for name, mixed in mixes.items():
+            if min(mixed) < 0 or sum(mixed) >= self.batch_seqs:
+                raise ValueError(f"the {name} batch's sampled, copy, chat and repeat sequences must leave "
+                                 "at least one corpus sequence")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
         if not 0 < self.sample_prefix < self.seq_len:
@@ -224,10 +258,11 @@ class TrainDemoConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if min(self.target_lr, self.draft_lr, self.checkpoint_minutes) <= 0:
+        if min(self.target_lr, self.copying_lr, self.draft_lr, self.checkpoint_minutes) <= 0:
             raise ValueError("learning rates and checkpoint_minutes must be positive")
-        if self.warmup_steps < 0 or self.max_files < 0:
-            raise ValueError("warmup_steps and max_files must not be negative")
+        if min(self.warmup_steps, self.max_files, self.greedy_sample_count, self.copying_tokens, self.guide_weight) < 0:
+            raise ValueError("warmup_steps, max_files, greedy_sample_count, copying_tokens and guide_weight "
+                             "must not be negative (copying_tokens 0 skips the copying phase)")
 
     @property
     def tokens_per_step(self) -> int:
@@ -239,7 +274,8 @@ def smoke_config(run_root: Path) -> TrainDemoConfig:
         run_dir=run_root / "run", out_dir=run_root / "out", vocab_size=512, seq_len=64,
         batch_seqs=4, max_positions=128, target_shape=ModelShape(2, 64, 2, 128),
         draft_shape=ModelShape(1, 32, 1, 64), target_tokens=6_000, draft_tokens=4_000,
-        warmup_steps=3, sample_count=8, sample_prefix=16, sampled_per_batch=1, copy_per_batch=1,
+        copying_tokens=2_000, repeat_per_batch=1, warmup_steps=3, sample_count=8, greedy_sample_count=4,
+        sample_prefix=16, sampled_per_batch=1, copy_per_batch=1,
         eval_seqs=4, eval_every=10, log_every=5, max_files=24,
     )
 
@@ -413,14 +449,35 @@ def load_sequences(cfg: TrainDemoConfig, split: str) -> np.ndarray:
     return to_sequences(np.load(path), cfg.seq_len)
 
 
-class BatchMix:
-    """Batch `step`'s rows: corpus sequences, then edit copies and chat turns (and, for the
-    draft, target samples), each source in its own seeded epoch order."""
+class RepeatRuns:
+    """Repeated-run rows (demo_corpus.repeat_row), made afresh for every step from a seed and
+    the step number, so a resumed run sees the same rows."""
 
-    def __init__(self, cfg: TrainDemoConfig, seed: int, extra: dict[str, tuple[np.ndarray, int]] | None = None):
+    def __init__(self, cfg: TrainDemoConfig, vocab: int):
+        self.stream = np.load(cfg.run_dir / "data" / "train.npy")
+        self.seq_len, self.vocab = cfg.seq_len, vocab
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def take(self, n: int, step: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng([seed, step])
+        rows = [repeat_row(self.stream, self.seq_len, rng, len(SPECIAL_TOKENS), self.vocab) for _ in range(n)]
+        return np.stack([t for t, _ in rows]), np.stack([labels for _, labels in rows])  # [n, seq] each
+
+
+class BatchMix:
+    """Batch `step`'s rows: corpus sequences, then edit copies, chat turns and repeated runs
+    (and, for the draft, target samples), each source in its own seeded order. rows() gives
+    (input ids, labels), equal except where a repeated run's random tokens leave the loss."""
+
+    def __init__(self, cfg: TrainDemoConfig, seed: int, repeat: int = 0,
+                 extra: dict[str, tuple[np.ndarray, int]] | None = None):
         self.seed = seed
         mixed = {"copy": cfg.copy_per_batch, "chat": cfg.chat_per_batch}
         mixed = {name: (load_sequences(cfg, name), n) for name, n in mixed.items() if n > 0}
+        if repeat > 0:
+            mixed["repeat"] = (RepeatRuns(cfg, len(load_tokenizer(cfg))), repeat)
         mixed.update((name, (seqs, n)) for name, (seqs, n) in (extra or {}).items() if n > 0)
         corpus = cfg.batch_seqs - sum(n for _, n in mixed.values())
         self.sources = {"train": (load_sequences(cfg, "train"), corpus), **mixed}
@@ -428,10 +485,16 @@ class BatchMix:
             if len(seqs) == 0:
                 raise SystemExit(f"no {name} sequences of {cfg.seq_len} tokens: the corpus is too small")
 
-    def rows(self, step: int) -> torch.Tensor:
-        parts = [seqs[batch_rows(len(seqs), n, step, self.seed + i)]
-                 for i, (seqs, n) in enumerate(self.sources.values())]
-        return as_batch(np.concatenate(parts))  # [batch, seq]
+    def rows(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, labels = [], []
+        for i, (source, n) in enumerate(self.sources.values()):
+            if isinstance(source, RepeatRuns):
+                rows, row_labels = source.take(n, step, self.seed + i)
+            else:
+                rows = row_labels = source[batch_rows(len(source), n, step, self.seed + i)]
+            tokens.append(rows)
+            labels.append(row_labels)
+        return as_batch(np.concatenate(tokens)), as_batch(np.concatenate(labels))  # [batch, seq] each
 
 
 @functools.cache
@@ -555,6 +618,7 @@ class TrainingJob:
     peak_lr: float
     work_dir: Path
     fingerprint: dict  # recipe values a checkpoint must match to be resumed
+    probe: Callable[[], dict] | None = None  # more held-out scores, logged with each evaluation
 
 
 def stop_on_sigterm() -> threading.Event:
@@ -637,8 +701,11 @@ def train(job: TrainingJob, cfg: TrainDemoConfig) -> tuple[dict, float]:
             window_start, window_losses = time.monotonic(), []
         if step % cfg.eval_every == 0 or step == job.total_steps:
             score = job.evaluate()
-            history["eval"].append({"step": step, "tokens": step * cfg.tokens_per_step, job.eval_name: score})
-            log.info("%s step %d held-out %s %.4f", job.name, step, job.eval_name, score)
+            probed = job.probe() if job.probe is not None else {}
+            history["eval"].append({"step": step, "tokens": step * cfg.tokens_per_step, job.eval_name: score,
+                                    **probed})
+            log.info("%s step %d held-out %s %.4f%s", job.name, step, job.eval_name, score,
+                     "".join(f" {k} {v:.3f}" for k, v in probed.items()))
         done = step == job.total_steps
         if done or stop.is_set() or time.monotonic() - last_checkpoint > cfg.checkpoint_minutes * 60:
             save_checkpoint(job, optimizer, step, history, elapsed + time.monotonic() - session_start)
@@ -672,27 +739,127 @@ def run_target_stage(cfg: TrainDemoConfig) -> None:
     if (work_dir / "summary.json").exists():
         log.info("target: done already (%s), skipping", work_dir)
         return
-    vocab = len(load_tokenizer(cfg))
-    mix = BatchMix(cfg, cfg.seed)
+    model = new_model(cfg.target_shape, cfg, len(load_tokenizer(cfg)))
+    job = target_job(cfg, "target", model, BatchMix(cfg, cfg.seed), cfg.target_tokens, cfg.target_lr)
+    history, wall_s = train(job, cfg)
+    finish_stage(job, cfg, history, wall_s, cfg.target_shape)
+
+
+def run_copying_stage(cfg: TrainDemoConfig) -> None:
+    """The target's second phase: training goes on from the first phase's final weights with a
+    fresh warm-up and decay, on batches that add repeated runs, with the attention guide
+    (AttentionGuide) teaching two heads the induction pattern."""
+    work_dir = cfg.run_dir / "copying"
+    if cfg.copying_tokens == 0:
+        log.info("copying: 0 tokens, skipped (the draft learns from the first phase's target)")
+        return
+    if (work_dir / "summary.json").exists():
+        log.info("copying: done already (%s), skipping", work_dir)
+        return
+    first_phase = cfg.run_dir / "target" / "final"
+    if not first_phase.exists():
+        raise SystemExit(f"no trained target at {first_phase}: run --stage target first")
+    model = load_model(first_phase)
+    guide = AttentionGuide(model)
+    mix = BatchMix(cfg, cfg.seed + 2, repeat=cfg.repeat_per_batch)
+    job = target_job(cfg, "copying", model, mix, cfg.copying_tokens, cfg.copying_lr,
+                     guide=guide, guide_weight=cfg.guide_weight)
+    job.fingerprint.update(repeat=cfg.repeat_per_batch, guide=[cfg.guide_weight, *GUIDED_HEADS])
+    history, wall_s = train(job, cfg)
+    guide.remove()
+    finish_stage(job, cfg, history, wall_s, cfg.target_shape)
+
+
+def target_job(cfg: TrainDemoConfig, name: str, model, mix: BatchMix, tokens: int, lr: float,
+               guide: AttentionGuide | None = None, guide_weight: float = 0.0) -> TrainingJob:
+    """A target training phase: next-token loss on `mix` (plus the attention guide's, where
+    given), scored on held-out text and probed for copying (held-out renamed copies) and
+    induction (repeated random runs)."""
+    from specserve.tools.workloads import heldout_sources
+
+    tokenizer = load_tokenizer(cfg)
     eval_seqs = load_sequences(cfg, "heldout")[:cfg.eval_seqs]
-    model = new_model(cfg.target_shape, cfg, vocab)
-    log.info("target %s: %.2fM params, batches of %s sequences of %d, %s", cfg.target_shape,
-             count_params(model) / 1e6, {name: n for name, (_, n) in mix.sources.items()}, cfg.seq_len,
+    sources = [text for _, text in heldout_sources(cfg.out_dir / "heldout_files.txt")]
+    pairs = copy_probe_pairs(sources, COPY_PROBES, cfg.seed)
+    log.info("%s %s: %.2fM params, batches of %s sequences of %d, %s", name, cfg.target_shape,
+             count_params(model) / 1e6, {source: n for source, (_, n) in mix.sources.items()}, cfg.seq_len,
              "bfloat16 autocast" if trains_in_bf16(cfg) else "float32")
 
     def loss_at(step: int) -> torch.Tensor:
-        x = mix.rows(step)  # [batch, seq]
+        x, labels = mix.rows(step)  # [batch, seq] each
         with training_autocast(cfg):
-            return model(input_ids=x, labels=x, use_cache=False).loss
+            loss = model(input_ids=x, labels=labels, use_cache=False).loss
+            if guide is not None:
+                loss = loss + guide_weight * guide.loss(x)
+        return loss
 
-    job = TrainingJob(
-        name="target", model=model, loss_at=loss_at, eval_name="loss",
-        evaluate=lambda: heldout_loss(model, eval_seqs, cfg.batch_seqs),
-        total_steps=steps_for(cfg.target_tokens, cfg), peak_lr=cfg.target_lr, work_dir=work_dir,
-        fingerprint=recipe_fingerprint(cfg, cfg.target_shape, cfg.target_tokens, cfg.target_lr),
+    def probe() -> dict:
+        return {"copy_agreement": copy_agreement(model, tokenizer, pairs),
+                "induction": induction_accuracy(model, model.config.vocab_size, cfg.seed)}
+
+    return TrainingJob(
+        name=name, model=model, loss_at=loss_at, eval_name="loss",
+        evaluate=lambda: heldout_loss(model, eval_seqs, cfg.batch_seqs), probe=probe,
+        total_steps=steps_for(tokens, cfg), peak_lr=lr, work_dir=cfg.run_dir / name,
+        fingerprint=recipe_fingerprint(cfg, cfg.target_shape, tokens, lr),
     )
-    history, wall_s = train(job, cfg)
-    finish_stage(job, cfg, history, wall_s, cfg.target_shape)
+
+
+GUIDED_HEADS = ((0, 0), (1, 0))  # (layer, head): the previous-token head, then the induction head
+
+
+class AttentionGuide:
+    """Teaches two heads the induction circuit by supervising their attention (next-token
+    training alone forms it only after tens of millions of tokens, far beyond this budget):
+    GUIDED_HEADS[0] attends to the previous position, GUIDED_HEADS[1] to the positions just
+    after earlier occurrences of the current token. Only the attention pattern is guided;
+    what the heads write, and so whether the model copies, is left to the next-token loss.
+    The model stays a plain Llama: the guide reads the two heads' inputs through forward
+    pre-hooks during training and recomputes their attention; remove() drops the hooks."""
+
+    def __init__(self, model):
+        self.inputs: dict[int, tuple] = {}
+        self.hooks = [model.model.layers[layer].self_attn.register_forward_pre_hook(self._keep(layer), with_kwargs=True)
+                      for layer in sorted({layer for layer, _ in GUIDED_HEADS})]
+        self.attention = {layer: model.model.layers[layer].self_attn for layer, _ in GUIDED_HEADS}
+
+    def _keep(self, layer: int):
+        def hook(module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            self.inputs[layer] = (hidden, kwargs["position_embeddings"])
+        return hook
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+    def log_attention(self, layer: int, head: int) -> torch.Tensor:
+        """log of the head's causal attention weights in the last forward: [batch, seq, seq]."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        attention = self.attention[layer]
+        hidden, (cos, sin) = self.inputs[layer]
+        rows = slice(head * attention.head_dim, (head + 1) * attention.head_dim)
+        q = F.linear(hidden, attention.q_proj.weight[rows]).unsqueeze(1)  # [batch, 1, seq, head_dim]
+        k = F.linear(hidden, attention.k_proj.weight[rows]).unsqueeze(1)  # [batch, 1, seq, head_dim]
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        scores = (q.float() @ k.float().transpose(-1, -2))[:, 0] * attention.scaling  # [batch, seq, seq]
+        seq = scores.shape[-1]
+        future = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+        return scores.masked_fill(future, float("-inf")).log_softmax(-1)
+
+    def loss(self, x: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the guided heads' attention against the circuit's, on the batch x
+        [batch, seq] the model just ran: -log attention to position i-1, and -log attention to
+        {j < i: x[j-1] == x[i]} where that set is not empty."""
+        previous = self.log_attention(*GUIDED_HEADS[0]).diagonal(offset=-1, dim1=1, dim2=2)  # [batch, seq - 1]
+        log_attention = self.log_attention(*GUIDED_HEADS[1])  # [batch, seq, seq]
+        seq = x.shape[1]
+        follows_match = F.pad(x[:, None, :-1] == x[:, :, None], (1, 0))  # [batch, i, j]: x[j-1] == x[i]
+        targets = follows_match & torch.ones(seq, seq, dtype=torch.bool).tril(-1)  # [batch, seq, seq]
+        has_target = targets.any(-1)  # [batch, seq]
+        induction = log_attention.masked_fill(~targets, float("-inf")).logsumexp(-1)[has_target]
+        return -previous.mean() - induction.mean()
 
 
 def recipe_fingerprint(cfg: TrainDemoConfig, shape: ModelShape, tokens: int, lr: float) -> dict:
@@ -733,25 +900,33 @@ def continue_sequences(model, prefixes: torch.Tensor, new_tokens: int,
 
 
 def sample_from_target(target, train_seqs: np.ndarray, cfg: TrainDemoConfig, sample_dir: Path) -> np.ndarray:
-    """`sample_count` target continuations of corpus prefixes: uint16 [sample_count, seq_len].
+    """`sample_count` target continuations of corpus prefixes sampled at sample_temperature,
+    then `greedy_sample_count` greedy ones: uint16 [sample_count + greedy_sample_count, seq_len].
     Written chunk by chunk, each chunk seeded by its index, so an interrupted run resumes."""
     sample_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng([cfg.seed, 7])
-    starts = rng.choice(len(train_seqs), size=cfg.sample_count, replace=len(train_seqs) < cfg.sample_count)
+    total = cfg.sample_count + cfg.greedy_sample_count
+    starts = rng.choice(len(train_seqs), size=total, replace=len(train_seqs) < total)
     chunks = []
     started = time.monotonic()
-    for first in range(0, cfg.sample_count, SAMPLE_CHUNK):
-        path = sample_dir / f"chunk_{first // SAMPLE_CHUNK:04d}.npy"
+    bounds = [(first, min(first + SAMPLE_CHUNK, end), temperature)
+              for begin, end, temperature in ((0, cfg.sample_count, cfg.sample_temperature), (cfg.sample_count, total, 0.0))
+              for first in range(begin, end, SAMPLE_CHUNK)]
+    for index, (first, last, temperature) in enumerate(bounds):
+        path = sample_dir / f"chunk_{index:04d}.npy"
         if not path.exists():
-            prefixes = as_batch(train_seqs[starts[first:first + SAMPLE_CHUNK], :cfg.sample_prefix])
-            generator = torch.Generator().manual_seed(cfg.seed * 1000 + first // SAMPLE_CHUNK)
-            seqs = continue_sequences(target, prefixes, cfg.seq_len - cfg.sample_prefix,
-                                      cfg.sample_temperature, generator)
+            prefixes = as_batch(train_seqs[starts[first:last], :cfg.sample_prefix])
+            generator = torch.Generator().manual_seed(cfg.seed * 1000 + index)
+            seqs = continue_sequences(target, prefixes, cfg.seq_len - cfg.sample_prefix, temperature, generator)
             np.save(path, seqs.numpy().astype(np.uint16))
-            log.info("draft: sampled %d/%d target sequences (%.0f s)",
-                     min(first + SAMPLE_CHUNK, cfg.sample_count), cfg.sample_count, time.monotonic() - started)
+            log.info("draft: %d/%d target continuations (%.0f s)", last, total, time.monotonic() - started)
         chunks.append(np.load(path))
     return np.concatenate(chunks)
+
+
+def final_target_dir(cfg: TrainDemoConfig) -> Path:
+    """The target that ships: the copying phase's, or the first phase's where it is skipped."""
+    return cfg.run_dir / ("copying" if cfg.copying_tokens > 0 else "target") / "final"
 
 
 def run_draft_stage(cfg: TrainDemoConfig) -> None:
@@ -759,9 +934,9 @@ def run_draft_stage(cfg: TrainDemoConfig) -> None:
     if (work_dir / "summary.json").exists():
         log.info("draft: done already (%s), skipping", work_dir)
         return
-    target_dir = cfg.run_dir / "target" / "final"
+    target_dir = final_target_dir(cfg)
     if not target_dir.exists():
-        raise SystemExit(f"no trained target at {target_dir}: run --stage target first")
+        raise SystemExit(f"no trained target at {target_dir}: run --stage target and --stage copying first")
     target = round_to_export_dtype(load_model(target_dir))
     for p in target.parameters():
         p.requires_grad_(False)
@@ -773,12 +948,12 @@ def run_draft_stage(cfg: TrainDemoConfig) -> None:
     sample_wall_s = time.monotonic() - sample_started
     draft = new_model(cfg.draft_shape, cfg, vocab)
     # seed + 1: with no copy or chat rows, the corpus and sampled rows come in v1's order.
-    mix = BatchMix(cfg, cfg.seed + 1, {"sampled": (samples, cfg.sampled_per_batch)})
+    mix = BatchMix(cfg, cfg.seed + 1, extra={"sampled": (samples, cfg.sampled_per_batch)})
     log.info("draft %s: %.2fM params, distilling on batches of %s sequences", cfg.draft_shape,
              count_params(draft) / 1e6, {name: n for name, (_, n) in mix.sources.items()})
 
     def loss_at(step: int) -> torch.Tensor:
-        x = mix.rows(step)  # [batch, seq]
+        x, _ = mix.rows(step)  # [batch, seq]
         with training_autocast(cfg):
             with torch.no_grad():
                 target_logits = target(input_ids=x, use_cache=False).logits  # [batch, seq, vocab]
@@ -790,7 +965,8 @@ def run_draft_stage(cfg: TrainDemoConfig) -> None:
         total_steps=steps_for(cfg.draft_tokens, cfg), peak_lr=cfg.draft_lr, work_dir=work_dir,
         fingerprint={**recipe_fingerprint(cfg, cfg.draft_shape, cfg.draft_tokens, cfg.draft_lr),
                      "samples": [cfg.sample_count, cfg.sample_prefix, cfg.sample_temperature,
-                                 cfg.sampled_per_batch]},
+                                 cfg.sampled_per_batch, cfg.greedy_sample_count],
+                 "teacher": str(target_dir.relative_to(cfg.run_dir))},
     )
     history, wall_s = train(job, cfg)
     finish_stage(job, cfg, history, wall_s, cfg.draft_shape)
@@ -846,7 +1022,7 @@ def run_export_stage(cfg: TrainDemoConfig) -> None:
     sample_text = read_source(stdlib_root() / "dataclasses.py") or "def f(x):\n    return x\n"
     fits = {}
     for name in ("target", "draft"):
-        src = cfg.run_dir / name / "final"
+        src = final_target_dir(cfg) if name == "target" else cfg.run_dir / name / "final"
         if not src.exists():
             raise SystemExit(f"no trained {name} at {src}: run --stage {name} first")
         fits[name] = export_model(src, cfg.out_dir / name, tokenizer)
@@ -955,20 +1131,35 @@ def max_activation(model, x: torch.Tensor) -> float:
 
 
 def plot_losses(history: dict, path: Path) -> None:
+    """Loss curves of each phase, and the target's copy and induction probes, against tokens
+    trained (the copying phase continues the target's axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, name, label in ((left, "target", "cross-entropy (nats/token)"), (right, "draft", "KL(target || draft)")):
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4))
+    offset = history["target"]["train"][-1]["tokens"] if history["target"]["train"] else 0
+    phases = [(name, shift) for name, shift in (("target", 0), ("copying", offset)) if name in history]
+    for name, shift in phases:
         train_points, eval_points = history[name]["train"], history[name]["eval"]
-        ax.plot([r["tokens"] / 1e6 for r in train_points], [r["loss"] for r in train_points], label="train")
-        key = "loss" if name == "target" else "kl"
-        ax.plot([r["tokens"] / 1e6 for r in eval_points], [r[key] for r in eval_points], "o-", label="held-out")
-        ax.set(title=name, xlabel="tokens (M)", ylabel=label)
+        left.plot([(r["tokens"] + shift) / 1e6 for r in train_points], [r["loss"] for r in train_points],
+                  label=f"{name}: train")
+        left.plot([(r["tokens"] + shift) / 1e6 for r in eval_points], [r["loss"] for r in eval_points], "o-",
+                  ms=3, label=f"{name}: held-out")
+        for key in ("copy_agreement", "induction"):
+            points = [r for r in eval_points if key in r]
+            middle.plot([(r["tokens"] + shift) / 1e6 for r in points], [r[key] for r in points], "o-", ms=3,
+                        label=f"{name}: {key.replace('_', ' ')}")
+    left.set(title="target", xlabel="tokens (M)", ylabel="cross-entropy (nats/token)")
+    middle.set(title="target's probes (held-out)", xlabel="tokens (M)", ylabel="argmax agreement", ylim=(0, 1))
+    draft_train, draft_eval = history["draft"]["train"], history["draft"]["eval"]
+    right.plot([r["tokens"] / 1e6 for r in draft_train], [r["loss"] for r in draft_train], label="train")
+    right.plot([r["tokens"] / 1e6 for r in draft_eval], [r["kl"] for r in draft_eval], "o-", ms=3, label="held-out")
+    right.set(title="draft", xlabel="tokens (M)", ylabel="KL(target || draft)")
+    for ax in (left, middle, right):
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -988,7 +1179,8 @@ def run_eval_stage(cfg: TrainDemoConfig) -> None:
     metrics["probes"] = probes(cfg, {"target": target, "draft": draft}, AutoTokenizer.from_pretrained(cfg.out_dir / "target"))
     log.info("eval: %s", json.dumps(metrics))
     log.info("eval: costs %s", json.dumps(costs))
-    summaries = {name: read_json(cfg.run_dir / name / "summary.json") for name in ("target", "draft")}
+    phases = ("target", "copying", "draft") if cfg.copying_tokens > 0 else ("target", "draft")
+    summaries = {name: read_json(cfg.run_dir / name / "summary.json") for name in phases}
     history = {name: summaries[name].pop("history") for name in summaries}
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     write_json(cfg.out_dir / "loss_history.json", history)
@@ -1109,6 +1301,7 @@ def build_report(cfg: TrainDemoConfig, summaries: dict, metrics: dict, costs: di
         "heldout_rule": f"int(sha1(relative posix path).hexdigest(), 16) % {HELDOUT_MODULUS} == 0",
         "excluded_dir_names": sorted(EXCLUDED_DIR_NAMES),
         "target": {**summaries["target"], "weights_mb": weights_mb(cfg.out_dir / "target")},
+        "copying": summaries.get("copying"),
         "draft": {**summaries["draft"], "weights_mb": weights_mb(cfg.out_dir / "draft")},
         "heldout": metrics,
         "expected_tokens_per_round_greedy_iid": {k: expected_tokens_per_round(alpha, k) for k in (2, 4, 6)},
@@ -1188,7 +1381,8 @@ def setup_logging(run_dir: Path) -> None:
     log.propagate = False
 
 
-STAGE_RUNNERS = {"tokenizer": run_tokenizer_stage, "target": run_target_stage, "draft": run_draft_stage,
+STAGE_RUNNERS = {"tokenizer": run_tokenizer_stage, "target": run_target_stage, "copying": run_copying_stage,
+                 "draft": run_draft_stage,
                  "export": run_export_stage, "eval": run_eval_stage, "measure": run_measure_stage,
                  "probe": run_probe_stage}
 
