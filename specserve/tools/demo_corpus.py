@@ -219,17 +219,14 @@ def repeat_row(
         length = int(rng.integers(REPEAT_RUN_TOKENS[0], REPEAT_RUN_TOKENS[1] + 1))
         if rng.random() < RANDOM_RUN_SHARE:
             run = rng.integers(first_id, vocab, length)
-            tokens.append(run)
-            labels.append(np.full(length, IGNORE_LABEL))
+            run_labels = np.full(length, IGNORE_LABEL)
         else:
-            run = span(length)
-            tokens.append(run)
-            labels.append(run)
+            run = run_labels = span(length)
         gap = span(int(rng.integers(0, REPEAT_GAP_TOKENS + 1)))
         copy = run.copy()
         if rng.random() < EDITED_COPY_SHARE:
             copy[int(rng.integers(0, length))] = int(rng.integers(first_id, vocab))
-        tokens += [gap, copy]
-        labels += [gap, copy]
+        tokens += [run, gap, copy]
+        labels += [run_labels, gap, copy]
         filled += 2 * length + len(gap)
     return np.concatenate(tokens)[:seq_len], np.concatenate(labels)[:seq_len]
