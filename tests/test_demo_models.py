@@ -18,6 +18,8 @@ def test_demo_pair_loads_as_it_is_and_shares_a_tokenizer():
     source = "def f(x):\n    return {'a': x}  # é\n\n\tpass\n"
     ids = tokenizers[0](source, add_special_tokens=False)["input_ids"]
     assert tokenizers[0].decode(ids) == source  # code round-trips byte for byte
+    for tokenizer in tokenizers:  # a completion prompt starts a document, as in training
+        assert tokenizer(source)["input_ids"] == [tokenizer.bos_token_id, *ids]
     chat = tokenizers[0].apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
@@ -73,3 +75,12 @@ def test_the_attention_guide_sees_the_attention_the_model_computes():
     guide.inputs.clear()
     model(input_ids=x)
     assert not guide.inputs  # no hook runs after remove()
+
+
+def test_the_header_check_tells_a_cut_docstring_from_broken_python():
+    from specserve.tools.demo_eval import tokenize_check
+
+    assert tokenize_check("def f(x):\n    return x + 1\n") == "ok"
+    assert tokenize_check('def f(x):\n    """Return x,\n    and more') == "cut"  # the budget ends the docstring
+    assert tokenize_check("def f(x,\n      y") == "cut"
+    assert tokenize_check("def f(x):\n        a = 1\n    b = 2\n") == "error"  # a dedent to no level

@@ -43,22 +43,32 @@ def acceptance(url: str, prompts: list[str], k: int, temperature: float, max_tok
     }
 
 
-def tokenizes(source: str) -> bool:
-    """Whether the complete lines of source tokenize with the stdlib tokenizer."""
+def tokenize_check(source: str) -> str:
+    """How the complete lines of source tokenize with the stdlib tokenizer: "ok"; "cut" where
+    the only error is the end of the text inside an open string or bracket (a docstring
+    longer than the token budget: Python so far, stopped by the cut); "error" otherwise."""
     complete_lines = source[: source.rfind("\n") + 1]
     try:
         list(tokenize.generate_tokens(io.StringIO(complete_lines).readline))
-    except (tokenize.TokenError, IndentationError, SyntaxError):
-        return False
-    return True
+    except tokenize.TokenError as error:
+        return "cut" if str(error.args[0]).startswith("EOF in multi-line") else "error"
+    except (IndentationError, SyntaxError):
+        return "error"
+    return "ok"
 
 
 def header_check(url: str, headers: list[str], max_tokens: int) -> dict:
     body = {"max_tokens": max_tokens, "temperature": 0}
     with httpx.Client() as client, ThreadPoolExecutor(4) as pool:
         texts = list(pool.map(lambda h: h + complete(client, url, h, **body)["choices"][0]["text"], headers))
-    ok = [tokenizes(text) for text in texts]
-    return {"headers": len(headers), "tokenize_ok": sum(ok), "samples": texts[:3]}
+    checks = [tokenize_check(text) for text in texts]
+    return {
+        "headers": len(headers),
+        "tokenize_ok": checks.count("ok"),
+        "cut_inside_string_or_bracket": checks.count("cut"),
+        "errors": checks.count("error"),
+        "samples": texts[:3],
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             )
     headers = header_check(args.url, function_headers(50), 64)
     print(
-        f"greedy 64-token continuations of {headers['headers']} held-out headers that tokenize: {headers['tokenize_ok']}"
+        f"greedy 64-token continuations of {headers['headers']} held-out headers that tokenize: {headers['tokenize_ok']} "
+        f"({headers['cut_inside_string_or_bracket']} more end inside an open string or bracket at the cut, "
+        f"{headers['errors']} have other errors)"
     )
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

