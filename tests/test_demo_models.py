@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -75,6 +76,14 @@ def test_the_attention_guide_sees_the_attention_the_model_computes():
     guide.inputs.clear()
     model(input_ids=x)
     assert not guide.inputs  # no hook runs after remove()
+
+
+def test_the_recipe_refuses_a_guide_on_a_model_too_shallow_for_it():
+    from specserve.tools.train_demo import ModelShape, TrainDemoConfig
+
+    with pytest.raises(ValueError, match="the draft has 1"):
+        TrainDemoConfig(draft_shape=ModelShape(1, 128, 2, 384), draft_guide_weight=1.0)
+    assert TrainDemoConfig(draft_shape=ModelShape(1, 128, 2, 384)).draft_shape.layers == 1  # unguided by default
 
 
 def test_the_header_check_tells_a_cut_docstring_from_broken_python():

@@ -6,9 +6,11 @@ and is trained to agree with it (high acceptance in speculative decoding, see do
 The defaults are recipe v2 (2026-12-05); the shipped pair is v1's, which ``--copy-per-batch 0
 --chat-per-batch 0 --target-tokens 3000000 --precision float32 --copying-tokens 0
 --greedy-sample-count 0 --sampled-per-batch 2 --draft-tokens 2500000`` makes again. v2's
-second run (models/demo/README.md, "Recipe v2") made a better target (held-out perplexity
-27 against 65; copy agreement 0.48 against 0.24) whose 2 x 128 draft follows it less well
-(greedy acceptance 0.71 against 0.85), so it is not shipped.
+third run, these defaults (models/demo/README.md, "Recipe v2"), made a far better target
+(held-out perplexity 15.6 against 65; copy agreement 0.87 against 0.24; n-gram speculation
+2.27x target-only on copy-heavy prompts against 1.29x) whose 2 x 128 draft cannot follow
+it (greedy acceptance 0.52 against 0.85: the target copies from its context, the draft
+does not), so it is not shipped.
 
 Run ``python -m specserve.tools.train_demo --stage all`` or
 one stage at a time: ``tokenizer``, ``target``, ``copying``, ``draft``, ``export``, ``eval``.
@@ -44,16 +46,23 @@ millions of tokens at this batch and context: Aoyama et al., 2025, fit the point
 10^5.7 x sqrt(batch x context) tokens: 32 M here), and here 200 steps of repeated runs alone
 (below, without the guide) left induction at 0.000, as 750 steps (3 M tokens) of nothing
 but repeated runs left a 2 x 128 model trained from scratch at 0.01. So
-the target's second phase (``copying``, 2.4 M tokens from the first phase's weights, a
+the target's second phase (``copying``, 8.0 M tokens from the first phase's weights, a
 fresh warm-up to lr 1e-3 and cosine decay) adds two things: repeated runs (2 rows of 8:
 runs of 8-96 corpus or random tokens, a short gap, the run again, sometimes with one
 token changed; ``demo_corpus.repeat_row``), and an attention guide (``AttentionGuide``)
 that supervises two heads' attention patterns, the previous-token head (layer 0) and the
 induction head (layer 1, attending just after earlier occurrences of the current token).
 The guide forms both patterns within ~150 steps; what the heads write, and so copying
-itself, is learned by the next-token loss afterwards: induction 0.00, 0.02, 0.08, 0.11,
-0.19 and copy agreement 0.30 to 0.48 at steps 200-586, still rising when the phase ends.
-The shipped target is a plain Llama: the guide only adds a loss during training.
+itself, is learned by the next-token loss afterwards, and needs the learning rate high for
+long: 2.4 M tokens (the second run) ended at induction 0.19 and copy agreement 0.48; 8.0 M
+(steps 100 / 500 / 900 / 1300 / 1954) read induction 0.00 / 0.32 / 0.86 / 0.96 / 0.99 and
+copy agreement 0.30 / 0.51 / 0.75 / 0.84 / 0.87. The target is a plain Llama: the guide
+only adds a loss during training.
+
+``draft_guide_weight`` puts the same guide on the draft's heads while it distils. Measured
+on the third run's target, it did not make the draft copy: induction stayed at 0.000-0.002
+through step 600 of 1465, and held-out KL ran behind the unguided draft's (1.91 against 1.73
+at step 600, 2.72 against 2.28 at step 200), so it is off by default.
 
 ``--stage probe`` scores a pair on held-out functions and their renamed copies
 (teacher-forced agreement with the copy), on random token runs repeated once (induction:
@@ -97,9 +106,9 @@ measured rate of the same 6 x 384 step fell from ~860 to 250-490 tok/s (a busy c
 core alone gave 243 tok/s at 2 threads, 149 at 1, so 2 threads stay the better choice).
 The target trains 8.0 M tokens (5.0 M of corpus text, 1.65 epochs of the 3.03 M-token train
 split; 2.0 M of edit copies; 1.0 M of chat turns): 61 min at 2187 tok/s under bf16 in v2's
-first run. The copying phase, 2.4 M tokens, took 21.2 min (1890 tok/s: the guide's and the
+first run. The copying phase, 8.0 M tokens, took 62.6 min (2129 tok/s: the guide's and the
 probes' work included). The draft, 2 x 128, is distilled on 6.0 M tokens; each step runs
-the target forward (no grad) and trains the draft: 29.1 min at 3440 tok/s under bf16 (v1:
+the target forward (no grad) and trains the draft: 29.1-30.7 min at 3259-3440 tok/s under bf16 (v1:
 2.5 M tokens, ~17 min in float32), after making 384 sampled and 384 greedy target
 continuations of 448 tokens (7.7 min; v1 made 384 sampled ones in ~5).
 
@@ -173,6 +182,7 @@ SAMPLE_CHUNK = 32
 GREEDY_PROBE_PREFIXES = 32
 GREEDY_PROBE_PREFIX_LEN = 64
 GREEDY_PROBE_NEW_TOKENS = 128
+GUIDED_HEADS = ((0, 0), (1, 0))  # (layer, head): the previous-token head, then the induction head (AttentionGuide)
 
 
 @dataclass(frozen=True)
@@ -225,10 +235,11 @@ class TrainDemoConfig:
     sampled_per_batch: int = 3  # of batch_seqs (the draft's): target continuations, sampled or greedy
     copy_per_batch: int = 2  # of batch_seqs: edit-copy documents (specserve/tools/demo_corpus.py)
     chat_per_batch: int = 1  # of batch_seqs: chat turns rendered in the chat template
-    copying_tokens: int = 2_400_000  # the target's second phase: repeated runs, attention guided
+    copying_tokens: int = 8_000_000  # the target's second phase: repeated runs, attention guided
     copying_lr: float = 1e-3
     repeat_per_batch: int = 2  # of batch_seqs in the copying phase: repeated runs (demo_corpus.repeat_row)
     guide_weight: float = 1.0  # the attention guide's loss, next to the next-token loss
+    draft_guide_weight: float = 0.0  # the same guide on the draft's heads (measured worse: docstring, Copying phase)
     precision: str = "auto"  # training matmuls: bfloat16 (autocast) where the CPU has bf16 arithmetic
     eval_seqs: int = 24  # held-out sequences scored during training
     eval_every: int = 100
@@ -260,9 +271,16 @@ class TrainDemoConfig:
                 raise ValueError(f"{name} must be positive")
         if min(self.target_lr, self.copying_lr, self.draft_lr, self.checkpoint_minutes) <= 0:
             raise ValueError("learning rates and checkpoint_minutes must be positive")
-        if min(self.warmup_steps, self.max_files, self.greedy_sample_count, self.copying_tokens, self.guide_weight) < 0:
-            raise ValueError("warmup_steps, max_files, greedy_sample_count, copying_tokens and guide_weight "
+        if min(self.warmup_steps, self.max_files, self.greedy_sample_count, self.copying_tokens,
+               self.guide_weight, self.draft_guide_weight) < 0:
+            raise ValueError("warmup_steps, max_files, greedy_sample_count, copying_tokens and the guide weights "
                              "must not be negative (copying_tokens 0 skips the copying phase)")
+        guided_layers = 1 + max(layer for layer, _ in GUIDED_HEADS)
+        for name, shape, weight in (("target", self.target_shape, self.guide_weight),
+                                    ("draft", self.draft_shape, self.draft_guide_weight)):
+            if weight > 0 and shape.layers < guided_layers:
+                raise ValueError(f"the attention guide needs {guided_layers} layers; the {name} has {shape.layers} "
+                                 f"(set its guide weight to 0 to train it unguided)")
 
     @property
     def tokens_per_step(self) -> int:
@@ -273,8 +291,8 @@ def smoke_config(run_root: Path) -> TrainDemoConfig:
     return TrainDemoConfig(
         run_dir=run_root / "run", out_dir=run_root / "out", vocab_size=512, seq_len=64,
         batch_seqs=4, max_positions=128, target_shape=ModelShape(2, 64, 2, 128),
-        draft_shape=ModelShape(1, 32, 1, 64), target_tokens=6_000, draft_tokens=4_000,
-        copying_tokens=2_000, repeat_per_batch=1, warmup_steps=3, sample_count=8, greedy_sample_count=4,
+        draft_shape=ModelShape(2, 32, 1, 64), target_tokens=6_000, draft_tokens=4_000,
+        copying_tokens=2_000, repeat_per_batch=1, draft_guide_weight=1.0, warmup_steps=3, sample_count=8, greedy_sample_count=4,
         sample_prefix=16, sampled_per_batch=1, copy_per_batch=1,
         eval_seqs=4, eval_every=10, log_every=5, max_files=24,
     )
@@ -817,9 +835,6 @@ def target_job(cfg: TrainDemoConfig, name: str, model, mix: BatchMix, tokens: in
     )
 
 
-GUIDED_HEADS = ((0, 0), (1, 0))  # (layer, head): the previous-token head, then the induction head
-
-
 class AttentionGuide:
     """Teaches two heads the induction circuit by supervising their attention (next-token
     training alone forms it only after tens of millions of tokens, far beyond this budget):
@@ -959,6 +974,7 @@ def run_draft_stage(cfg: TrainDemoConfig) -> None:
     samples = sample_from_target(target, train_seqs, cfg, work_dir / "samples")  # [sample_count, seq_len]
     sample_wall_s = time.monotonic() - sample_started
     draft = new_model(cfg.draft_shape, cfg, vocab)
+    guide = AttentionGuide(draft) if cfg.draft_guide_weight > 0 else None
     # seed + 1: with no copy or chat rows, the corpus and sampled rows come in v1's order.
     mix = BatchMix(cfg, cfg.seed + 1, extra={"sampled": (samples, cfg.sampled_per_batch)})
     log.info("draft %s: %.2fM params, distilling on batches of %s sequences", cfg.draft_shape,
@@ -969,18 +985,25 @@ def run_draft_stage(cfg: TrainDemoConfig) -> None:
         with training_autocast(cfg):
             with torch.no_grad():
                 target_logits = target(input_ids=x, use_cache=False).logits  # [batch, seq, vocab]
-            return kl_target_draft(target_logits, draft(input_ids=x, use_cache=False).logits)
+            loss = kl_target_draft(target_logits, draft(input_ids=x, use_cache=False).logits)
+            if guide is not None:
+                loss = loss + cfg.draft_guide_weight * guide.loss(x)
+            return loss
 
     job = TrainingJob(
         name="draft", model=draft, loss_at=loss_at, eval_name="kl",
         evaluate=lambda: heldout_kl(target, draft, eval_seqs, cfg.batch_seqs),
+        probe=lambda: {"induction": induction_accuracy(draft, vocab, cfg.seed)},
         total_steps=steps_for(cfg.draft_tokens, cfg), peak_lr=cfg.draft_lr, work_dir=work_dir,
         fingerprint={**recipe_fingerprint(cfg, cfg.draft_shape, cfg.draft_tokens, cfg.draft_lr),
                      "samples": [cfg.sample_count, cfg.sample_prefix, cfg.sample_temperature,
                                  cfg.sampled_per_batch, cfg.greedy_sample_count],
-                 "teacher": str(target_dir.relative_to(cfg.run_dir))},
+                 "teacher": str(target_dir.relative_to(cfg.run_dir)),
+                 "guide": [cfg.draft_guide_weight, *GUIDED_HEADS]},
     )
     history, wall_s = train(job, cfg)
+    if guide is not None:
+        guide.remove()
     finish_stage(job, cfg, history, wall_s, cfg.draft_shape)
     summary = read_json(work_dir / "summary.json")
     summary["sampling_wall_s"] = sample_wall_s
