@@ -62,7 +62,13 @@ only adds a loss during training.
 ``draft_guide_weight`` puts the same guide on the draft's heads while it distils. Measured
 on the third run's target, it did not make the draft copy: induction stayed at 0.000-0.002
 through step 600 of 1465, and held-out KL ran behind the unguided draft's (1.91 against 1.73
-at step 600, 2.72 against 2.28 at step 200), so it is off by default.
+at step 600, 2.72 against 2.28 at step 200), so it is off by default. With 2 rows of
+repeated runs in its batches as well (``draft_repeat_per_batch``; 1 copy row and no chat
+row to make room) it did no better (KL 2.00 and induction 0.001 at step 600). The guide did
+its part: at step 679 the draft's guided heads put 0.999 of their attention on the previous
+token and 0.94 on the token after the earlier occurrence, yet it copied none of a repeated
+random run. What the induction head writes does not reach the logits: the copy itself, not
+the attention pattern, is what a 2 x 128 draft fails to learn here.
 
 ``--stage probe`` scores a pair on held-out functions and their renamed copies
 (teacher-forced agreement with the copy), on random token runs repeated once (induction:
@@ -239,6 +245,7 @@ class TrainDemoConfig:
     copying_lr: float = 1e-3
     repeat_per_batch: int = 2  # of batch_seqs in the copying phase: repeated runs (demo_corpus.repeat_row)
     guide_weight: float = 1.0  # the attention guide's loss, next to the next-token loss
+    draft_repeat_per_batch: int = 0  # of batch_seqs in the draft's: repeated runs, as the copying phase's
     draft_guide_weight: float = 0.0  # the same guide on the draft's heads (measured worse: docstring, Copying phase)
     precision: str = "auto"  # training matmuls: bfloat16 (autocast) where the CPU has bf16 arithmetic
     eval_seqs: int = 24  # held-out sequences scored during training
@@ -253,7 +260,7 @@ class TrainDemoConfig:
         if self.max_positions < self.seq_len:
             raise ValueError("max_positions must be at least seq_len")
         mixes = {"copying": (self.copy_per_batch, self.chat_per_batch, self.repeat_per_batch),
-                 "draft": (self.sampled_per_batch, self.copy_per_batch, self.chat_per_batch)}
+                 "draft": (self.sampled_per_batch, self.copy_per_batch, self.chat_per_batch, self.draft_repeat_per_batch)}
         for name, mixed in mixes.items():
             if min(mixed) < 0 or sum(mixed) >= self.batch_seqs:
                 raise ValueError(f"the {name} batch's sampled, copy, chat and repeat sequences must leave "
@@ -976,7 +983,7 @@ def run_draft_stage(cfg: TrainDemoConfig) -> None:
     draft = new_model(cfg.draft_shape, cfg, vocab)
     guide = AttentionGuide(draft) if cfg.draft_guide_weight > 0 else None
     # seed + 1: with no copy or chat rows, the corpus and sampled rows come in v1's order.
-    mix = BatchMix(cfg, cfg.seed + 1, extra={"sampled": (samples, cfg.sampled_per_batch)})
+    mix = BatchMix(cfg, cfg.seed + 1, repeat=cfg.draft_repeat_per_batch, extra={"sampled": (samples, cfg.sampled_per_batch)})
     log.info("draft %s: %.2fM params, distilling on batches of %s sequences", cfg.draft_shape,
              count_params(draft) / 1e6, {name: n for name, (_, n) in mix.sources.items()})
 
@@ -999,7 +1006,7 @@ def run_draft_stage(cfg: TrainDemoConfig) -> None:
                      "samples": [cfg.sample_count, cfg.sample_prefix, cfg.sample_temperature,
                                  cfg.sampled_per_batch, cfg.greedy_sample_count],
                  "teacher": str(target_dir.relative_to(cfg.run_dir)),
-                 "guide": [cfg.draft_guide_weight, *GUIDED_HEADS]},
+                 "guide": [cfg.draft_guide_weight, *GUIDED_HEADS], "repeat": cfg.draft_repeat_per_batch},
     )
     history, wall_s = train(job, cfg)
     if guide is not None:
