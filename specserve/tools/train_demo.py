@@ -799,18 +799,18 @@ def run_copying_stage(cfg: TrainDemoConfig) -> None:
     if not first_phase.exists():
         raise SystemExit(f"no trained target at {first_phase}: run --stage target first")
     model = load_model(first_phase)
-    guide = AttentionGuide(model)
+    guide = attention_guide(model, cfg.guide_weight)
     mix = BatchMix(cfg, cfg.seed + 2, repeat=cfg.repeat_per_batch)
-    job = target_job(cfg, "copying", model, mix, cfg.copying_tokens, cfg.copying_lr,
-                     guide=guide, guide_weight=cfg.guide_weight)
+    job = target_job(cfg, "copying", model, mix, cfg.copying_tokens, cfg.copying_lr, guide=guide)
     job.fingerprint.update(repeat=cfg.repeat_per_batch, guide=[cfg.guide_weight, *GUIDED_HEADS])
     history, wall_s = train(job, cfg)
-    guide.remove()
+    if guide is not None:
+        guide.remove()
     finish_stage(job, cfg, history, wall_s, cfg.target_shape)
 
 
 def target_job(cfg: TrainDemoConfig, name: str, model, mix: BatchMix, tokens: int, lr: float,
-               guide: AttentionGuide | None = None, guide_weight: float = 0.0) -> TrainingJob:
+               guide: AttentionGuide | None = None) -> TrainingJob:
     """A target training phase: next-token loss on `mix` (plus the attention guide's, where
     given), scored on held-out text and probed for copying (held-out renamed copies) and
     induction (repeated random runs)."""
@@ -829,7 +829,7 @@ def target_job(cfg: TrainDemoConfig, name: str, model, mix: BatchMix, tokens: in
         with training_autocast(cfg):
             loss = model(input_ids=x, labels=labels, use_cache=False).loss
             if guide is not None:
-                loss = loss + guide_weight * guide.loss(x)
+                loss = loss + guide.loss(x)
         return loss
 
     def probe() -> dict:
@@ -853,7 +853,8 @@ class AttentionGuide:
     The model stays a plain Llama: the guide reads the two heads' inputs through forward
     pre-hooks during training and recomputes their attention; remove() drops the hooks."""
 
-    def __init__(self, model):
+    def __init__(self, model, weight: float = 1.0):
+        self.weight = weight  # of loss(), next to the model's own loss
         self.inputs: dict[int, tuple] = {}
         self.hooks = [model.model.layers[layer].self_attn.register_forward_pre_hook(self._keep(layer), with_kwargs=True)
                       for layer in sorted({layer for layer, _ in GUIDED_HEADS})]
@@ -887,7 +888,7 @@ class AttentionGuide:
     def loss(self, x: torch.Tensor) -> torch.Tensor:
         """Cross-entropy of the guided heads' attention against the circuit's, on the batch x
         [batch, seq] the model just ran: -log attention to position i-1, and -log attention to
-        {j < i: x[j-1] == x[i]} where that set is not empty."""
+        {j < i: x[j-1] == x[i]} where that set is not empty; times the guide's weight."""
         previous = self.log_attention(*GUIDED_HEADS[0]).diagonal(offset=-1, dim1=1, dim2=2)  # [batch, seq - 1]
         log_attention = self.log_attention(*GUIDED_HEADS[1])  # [batch, seq, seq]
         seq = x.shape[1]
@@ -895,7 +896,12 @@ class AttentionGuide:
         targets = follows_match & torch.ones(seq, seq, dtype=torch.bool).tril(-1)  # [batch, seq, seq]
         has_target = targets.any(-1)  # [batch, seq]
         induction = log_attention.masked_fill(~targets, float("-inf")).logsumexp(-1)[has_target]
-        return -previous.mean() - induction.mean()
+        return self.weight * (-previous.mean() - induction.mean())
+
+
+def attention_guide(model, weight: float) -> AttentionGuide | None:
+    """The guide on the model's heads at this weight, or None at weight 0 (no hooks, no loss)."""
+    return AttentionGuide(model, weight) if weight > 0 else None
 
 
 def recipe_fingerprint(cfg: TrainDemoConfig, shape: ModelShape, tokens: int, lr: float) -> dict:
@@ -983,7 +989,7 @@ def run_draft_stage(cfg: TrainDemoConfig) -> None:
     samples = sample_from_target(target, train_seqs, cfg, work_dir / "samples")  # [sample_count, seq_len]
     sample_wall_s = time.monotonic() - sample_started
     draft = new_model(cfg.draft_shape, cfg, vocab)
-    guide = AttentionGuide(draft) if cfg.draft_guide_weight > 0 else None
+    guide = attention_guide(draft, cfg.draft_guide_weight)
     # seed + 1: with no copy or chat rows, the corpus and sampled rows come in v1's order.
     mix = BatchMix(cfg, cfg.seed + 1, repeat=cfg.draft_repeat_per_batch, extra={"sampled": (samples, cfg.sampled_per_batch)})
     log.info("draft %s: %.2fM params, distilling on batches of %s sequences", cfg.draft_shape,
@@ -996,7 +1002,7 @@ def run_draft_stage(cfg: TrainDemoConfig) -> None:
                 target_logits = target(input_ids=x, use_cache=False).logits  # [batch, seq, vocab]
             loss = kl_target_draft(target_logits, draft(input_ids=x, use_cache=False).logits)
             if guide is not None:
-                loss = loss + cfg.draft_guide_weight * guide.loss(x)
+                loss = loss + guide.loss(x)
             return loss
 
     job = TrainingJob(
