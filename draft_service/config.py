@@ -14,6 +14,11 @@ class DraftConfig(ServiceOptions):
     early_exit_model: str = field("", "target model directory whose first layers serve method early_exit (empty: none)")
     early_exit_layers: int = field(2, "layers of the target the early_exit drafter runs")
     ngram_max: int = field(4, "longest suffix the ngram drafter looks up")
+    copy_min_ngram: int = field(
+        2,
+        "a model's drafts start with a copy of what followed where the sequence's last copy_min_ngram "
+        "(or more, up to ngram_max) tokens occurred before, and the model drafts the rest (0: never copy)",
+    )
     support_size: int = field(32, "draft tokens are drawn from the draft's top support_size tokens, renormalised")
     max_speculative_tokens: int = field(16, "largest K accepted per request")
     max_sessions: int = field(256, "most concurrent sessions (streams); beyond it RESOURCE_EXHAUSTED")

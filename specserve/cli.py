@@ -124,6 +124,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the gateway speculates only while at most this many requests run, 0 always (default auto: "
         f"{CPU_MAX_SPECULATING_REQUESTS} when the models run on the CPU, else 0)",
     )
+    up_parser.add_argument(
+        "--copy-min-ngram",
+        type=int,
+        default=None,
+        help="a model's drafts start with a copy of the context where its last tokens repeat a span this long "
+        "or longer (0: never; the services' default: 2). Turn it off for a target that copies no better than its draft",
+    )
     up_parser.add_argument("--startup-timeout", type=float, default=300, help="seconds to wait for readiness")
     _add_request_defaults(up_parser)
     up_parser.add_argument("--trace-console", action="store_true", help="every part prints its spans to stderr")
@@ -166,13 +173,15 @@ def _service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     verify = [*python, "verify_service", "--model", args.target, "--port", str(args.verify_port), "--device",
               args.device, "--metrics-port", str(args.verify_metrics_port)]  # fmt: skip
     verify += ["--trace-console"] if args.trace_console else []
+    copy = [] if args.copy_min_ngram is None else ["--copy-min-ngram", str(args.copy_min_ngram)]
     if not args.draft_service:
-        return {"verify": [*verify, "--draft-model", args.draft, "--early-exit-layers", str(EARLY_EXIT_LAYERS)]}
+        return {"verify": [*verify, "--draft-model", args.draft, "--early-exit-layers", str(EARLY_EXIT_LAYERS), *copy]}
     return {
         "verify": verify,
         "draft": [*python, "draft_service", "--model", args.draft, "--port", str(args.draft_port), "--device", args.device,
                   "--metrics-port", str(args.draft_metrics_port), "--early-exit-model", args.target,
-                  "--early-exit-layers", str(EARLY_EXIT_LAYERS), *(["--trace-console"] if args.trace_console else [])],
+                  "--early-exit-layers", str(EARLY_EXIT_LAYERS), *copy,
+                  *(["--trace-console"] if args.trace_console else [])],
     }  # fmt: skip
 
 

@@ -11,6 +11,11 @@ logits) truncated to the support_size most likely tokens and renormalised (docs/
 invariant 2); an n-gram draft is deterministic, so its q_i is one-hot. Greedy requests get
 no distributions. Drafting stops early, for the model methods, once the draft's most likely
 next token falls below min_draft_probability (adaptive length).
+
+A model's chain of drafts starts with a copy where the context repeats: when the sequence's
+last copy_min_ngram (0: never) or more tokens occurred before, the first drafts are what
+followed them (one-hot, as ngram's), read by the model in its catch-up's forward, and the
+model drafts the rest of K (docs/design.md, "A copy before the draft").
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.context_lookup import ngram_drafts
 from specserve.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted, require
 from specserve.model.backends import Backend, ForwardRow, KVSequence, forward_in_budget
 from specserve.model.loading import LoadedModel
@@ -50,6 +56,7 @@ class DraftOptions:
     max_speculative_tokens: int = 16
     support_size: int = 32  # draft tokens are drawn from the draft's top support_size tokens, renormalised
     ngram_max: int = 4  # longest suffix the ngram drafter looks up
+    copy_min_ngram: int = 2  # a model draft copies where a suffix this long repeats (0: never)
     max_batched_tokens: int = 2048
 
     @classmethod
@@ -63,6 +70,7 @@ class DraftOptions:
             max_speculative_tokens=config.max_speculative_tokens,
             support_size=config.support_size,
             ngram_max=config.ngram_max,
+            copy_min_ngram=config.copy_min_ngram,
             max_batched_tokens=config.max_batched_tokens,
         )
 
@@ -110,6 +118,7 @@ class _Drafting:
     verified: list[int]
     k: int
     start: int = 0  # where the job's tokens start: the session's cache held the verified tokens before it
+    copied: list[int] = field(default_factory=list)  # the drafts copied from the context, read in the catch-up
     drafts: list[int] = field(default_factory=list)
     distributions: list[SparseDistribution] = field(default_factory=list)
     bonus_guess: int = -1
@@ -221,7 +230,14 @@ class Drafter:
         verified.extend(job.tokens)
         _, context = self._limits(job.session.method)
         room = context - len(verified) - (1 if job.want_bonus_guess else 0)
-        return _Drafting(job, verified, max(0, min(job.num_speculative_tokens, room)), start=start)
+        d = _Drafting(job, verified, max(0, min(job.num_speculative_tokens, room)), start=start)
+        copy_n = self.options.copy_min_ngram
+        if copy_n and job.session.method != "ngram" and job.tree is None:
+            d.copied = ngram_drafts(verified, d.k, self.options.ngram_max, min_n=copy_n)
+            d.drafts = list(d.copied)
+            if not job.sampling.is_greedy:
+                d.distributions = [SparseDistribution((t,), (1.0,)) for t in d.copied]
+        return d
 
     def _limits(self, method: str) -> tuple[int, int]:
         """(vocabulary size, context window) a method's sessions must keep within: the
@@ -245,20 +261,20 @@ class Drafter:
         logits, argmax = self._catch_up(backend, [self._catch_up_row(d) for d in batch])
         if self._greedy_run(backend, batch, argmax):
             return
-        i = 0
-        while True:
-            for b, d in enumerate(batch):
-                if d.draws_at(i):
-                    self._draw_into(d, logits[b], argmax[b], i)
-            continuing = [b for b, d in enumerate(batch) if d.draws_at(i + 1)]
-            if not continuing:
+        position = [len(d.copied) for d in batch]  # each row's next draft position; its logits are for it
+        drawing = [b for b, d in enumerate(batch) if d.draws_at(position[b])]
+        while drawing:
+            for b in drawing:
+                self._draw_into(batch[b], logits[b], argmax[b], position[b])
+            drawing = [b for b in drawing if batch[b].draws_at(position[b] + 1)]
+            if not drawing:
                 return
-            feed = [ForwardRow(batch[b].job.session.sequence, [batch[b].drafts[-1]], 1) for b in continuing]
+            feed = [ForwardRow(batch[b].job.session.sequence, [batch[b].drafts[-1]], 1) for b in drawing]
             new_logits, new_argmax = backend.forward_last(feed)
-            for j, b in enumerate(continuing):
+            for j, b in enumerate(drawing):
                 batch[b].job.session.cached_tokens.append(batch[b].drafts[-1])
                 logits[b], argmax[b] = new_logits[j], new_argmax[j]
-            i += 1
+                position[b] += 1
 
     @staticmethod
     def _greedy_run(backend: Backend, batch: list[_Drafting], argmax: list[int]) -> bool:
@@ -268,13 +284,15 @@ class Drafter:
         job = d.job
         if len(batch) > 1 or not job.sampling.is_greedy or job.min_draft_probability > 0 or job.want_bonus_guess:
             return False
-        if d.k < 2:
+        steps = d.k - len(d.copied)  # drafts the model makes
+        if steps < 2:
             return False
-        rest = backend.greedy_continue(job.session.sequence, argmax[0], d.k - 1)
+        rest = backend.greedy_continue(job.session.sequence, argmax[0], steps - 1)
         if rest is None:
             return False
-        d.drafts = [argmax[0], *rest]
-        job.session.cached_tokens.extend(d.drafts[:-1])  # the last draft's keys are not made
+        made = [argmax[0], *rest]
+        d.drafts.extend(made)
+        job.session.cached_tokens.extend(made[:-1])  # the last draft's keys are not made
         return True
 
     def _catch_up(self, backend: Backend, rows: list[ForwardRow]) -> tuple[list[torch.Tensor], list[int]]:
@@ -303,15 +321,18 @@ class Drafter:
 
     def _catch_up_row(self, d: _Drafting) -> ForwardRow:
         """Crops the cache to its longest prefix still verified (accepted drafts stay) and
-        feeds the rest, ending with the last verified token, whose logits start the draft.
-        The cache matches the verified tokens at least up to where this round's tokens start."""
+        feeds the rest, ending with the last verified token, whose logits start the draft, or
+        with the drafts copied from the context after it, whose last one's logits continue
+        it. The cache matches the verified tokens at least up to where this round's tokens
+        start."""
         session, verified = d.job.session, d.verified
         cached = session.cached_tokens
         keep = min(_common_prefix(cached, verified, min(d.start, len(cached))), len(verified) - 1)
         session.sequence.truncate(keep)
         del cached[keep:]
-        cached.extend(verified[keep:])
-        return ForwardRow(session.sequence, verified[keep:], 1)
+        feed = verified[keep:] + d.copied
+        cached.extend(feed)
+        return ForwardRow(session.sequence, feed, 1)
 
     def _check(self, job: DraftJob) -> None:
         start = job.num_verified - len(job.tokens)
@@ -349,18 +370,6 @@ class Drafter:
         ids, q = truncate_to_support(probs, self.options.support_size)
         token = sample_sparse(ids, q, sampling.seed, position)
         return token, SparseDistribution(tuple(ids.tolist()), tuple(q.tolist()))
-
-
-def ngram_drafts(tokens: list[int], k: int, max_n: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
-    tokens (of at most max_n tokens) that occurred before; [] when no suffix repeats."""
-    length = len(tokens)
-    for n in range(min(max_n, length - 1), 0, -1):
-        suffix = tokens[length - n :]
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
-    return []
 
 
 def _top_probability(logits: torch.Tensor, sampling: SamplingParams) -> float:

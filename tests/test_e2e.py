@@ -194,6 +194,48 @@ def test_sampled_tokens_follow_the_target_distribution(request, stack_name):
     assert _chi_square([o[1] for o in outputs], first) < 1e-3
 
 
+def _copy_firing_prompt(target_dir, base: tuple[int, ...], mass: float = 0.99) -> tuple[list[int], float]:
+    """A prompt ending in x in which [x, v, w] occurs earlier for each token v the target is
+    likely to draw first, w being the target's likeliest token after v: the round after the
+    prefill finds [x, t1] in the context, and its drafts start with a copy the target often
+    keeps. With the share of first draws that find one."""
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    x, follows = base[-1], {}
+    for _ in range(8):
+        prompt = [*base[:-1], *(t for v, w in sorted(follows.items()) for t in (x, v, w)), x]
+        with torch.no_grad():
+            first = model(torch.tensor([prompt])).logits[0, -1].double().softmax(-1)
+            likely = sorted(follows)
+            covered = float(first[likely].sum()) if likely else 0.0
+            if covered >= mass:
+                return prompt, covered
+            order = torch.argsort(first, descending=True)
+            likely = sorted(set(likely) | set(order[: int((first[order].cumsum(0) < mass).sum()) + 1].tolist()))
+            rows = torch.cat([torch.tensor(prompt).expand(len(likely), -1), torch.tensor(likely)[:, None]], dim=1)
+            follows = dict(zip(likely, model(rows).logits[:, -1].argmax(-1).tolist()))
+    raise AssertionError("no prompt found whose first draws nearly all repeat a bigram")
+
+
+def test_sampled_tokens_stay_exact_when_drafts_start_with_a_copy(stack):
+    """The round after the prefill drafts a copy of the context (one-hot, then the model's
+    drafts) on nearly every request, and the target often keeps it; the second token still
+    follows the target."""
+    prompt, covered = _copy_firing_prompt(stack.target_dir, PROMPTS[0])
+    assert covered >= 0.99
+
+    def run(seed):  # four tokens: the round after the prefill drafts two (max_tokens leaves room for them)
+        body = complete(stack.url, prompt=prompt, max_tokens=4, temperature=1.0, seed=seed, return_token_ids=True,
+                        speculation={"num_speculative_tokens": 3, "adaptive": False})  # fmt: skip
+        assert body["usage"]["speculation"]["num_draft_tokens"] >= 2
+        return body["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(16) as pool:
+        outputs = list(pool.map(run, range(1000)))
+    first, second = _target_first_two_token_distributions(stack.target_dir, prompt)
+    assert _chi_square([o[1] for o in outputs], second) > 1e-3
+    assert _chi_square([o[1] for o in outputs], first) < 1e-3  # the test can tell them apart
+
+
 def test_seeded_request_is_reproducible_whatever_shares_its_batch(stack):
     body = {"max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 1234}
     alone = token_ids(stack.url, PROMPTS[2], **body)

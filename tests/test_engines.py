@@ -143,13 +143,50 @@ def test_batched_drafting_equals_each_session_alone(tiny_pair, sampling):
 
 
 def test_ngram_drafts_copy_after_the_latest_longest_repeat():
-    from specserve.drafting import ngram_drafts
+    from specserve.context_lookup import ngram_drafts
 
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]
     assert ngram_drafts(tokens, 2, max_n=3) == [7, 8]  # the latest [1, 2, 3] was followed by 7, 8
     assert ngram_drafts(tokens, 5, max_n=3) == [7, 8, 1, 2, 3]
     assert ngram_drafts([4, 5, 6], 3, max_n=3) == []  # nothing repeats
     assert ngram_drafts([5, 5], 3, max_n=3) == [5]
+    assert ngram_drafts(tokens, 2, max_n=3, min_n=3) == [7, 8]
+    assert ngram_drafts([1, 2, 9, 2], 2, max_n=3, min_n=2) == []  # only [2] repeats
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.9, seed=5)])
+def test_a_models_drafts_start_with_a_copy_where_the_context_repeats(tiny_pair, sampling):
+    """The copy comes first, one-hot when sampled; the model's drafts after it are the ones a
+    session holding the copy as verified tokens would make; a later round on the same
+    session drafts what a fresh one would."""
+    _, draft_dir = tiny_pair
+    loaded = load_model(str(draft_dir), CPU, torch.float32)
+    copying = Drafter({"draft_model": loaded}, DraftOptions.of(DraftConfig(), loaded))
+    plain = Drafter({"draft_model": loaded}, DraftOptions.of(DraftConfig(copy_min_ngram=0), loaded))
+
+    def draft(drafter, tokens, k, start=0, session=None):
+        session = session or drafter.open_session(str(tokens), "draft_model")
+        job = DraftJob(session, tuple(tokens[start:]), len(tokens), k, sampling, want_bonus_guess=True)
+        return drafter.step([job])[0], session
+
+    prefix = [5, 6, 7, 8, 30, 5, 6]  # [5, 6] repeats: 7, 8, 30, 5, 6 followed it
+    got, session = draft(copying, prefix, 7)
+    copy = [7, 8, 30, 5, 6]
+    assert list(got.draft_token_ids[:5]) == copy
+    rest, _ = draft(plain, prefix + copy, 2)
+    assert got.draft_token_ids[5:] == rest.draft_token_ids and got.bonus_guess == rest.bonus_guess
+    if not sampling.is_greedy:
+        assert all(q.token_ids == (t,) and q.probs == (1.0,) for q, t in zip(got.draft_distributions, copy))
+        for q_got, q_want in zip(got.draft_distributions[5:], rest.draft_distributions, strict=True):
+            assert q_got.token_ids == q_want.token_ids
+    # Two copied drafts kept, then a token of the target's: the cache drops the rest of the copy.
+    verified = prefix + copy[:2] + [99]
+    again, _ = draft(copying, verified, 4, start=len(prefix), session=session)
+    fresh, _ = draft(copying, verified, 4)
+    assert again.draft_token_ids == fresh.draft_token_ids and again.bonus_guess == fresh.bonus_guess
+    # No suffix of two or more tokens repeats: the model drafts it all, as without the copy.
+    alone, _ = draft(copying, [1, 2, 3, 1], 3)
+    assert alone.draft_token_ids == draft(plain, [1, 2, 3, 1], 3)[0].draft_token_ids
 
 
 def test_confidence_stop_and_bonus_guess(tiny_pair):

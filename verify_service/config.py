@@ -41,6 +41,11 @@ class VerifyConfig(ServiceOptions):
         0, "serve method early_exit here from the target's own first layers (0: not served here)"
     )
     ngram_max: int = field(4, "longest suffix the colocated ngram drafter looks up")
+    copy_min_ngram: int = field(
+        2,
+        "a colocated model's drafts start with a copy of what followed where the sequence's last copy_min_ngram "
+        "(or more) tokens occurred before, and the model drafts the rest (0: never copy)",
+    )
     support_size: int = field(32, "colocated draft tokens are drawn from the draft's top support_size tokens")
     max_workers: int = field(
         300, "gRPC worker threads (concurrent calls in flight; each Decode stream holds one while it lasts)"

@@ -28,7 +28,7 @@ class ServiceOptions(TracingOptions):
 
     def check_service(self) -> None:
         """The checks of what both services take (each config defines model, port, the batch
-        and session bounds, matmul_dtype, threads and the n-gram and support sizes)."""
+        and session bounds, matmul_dtype, threads, the n-gram, copy and support sizes)."""
         self.check_tracing()
         check(bool(self.model), "model must name a directory")
         check(0 < self.port < 65536, f"port must lie in 1..65535, got {self.port}")
@@ -47,6 +47,7 @@ class ServiceOptions(TracingOptions):
         check(self.max_batched_tokens >= 1, "max_batched_tokens must be >= 1")
         check(self.threads >= 0, "threads must be >= 0")
         check(self.ngram_max >= 1, "ngram_max must be >= 1")
+        check(self.copy_min_ngram >= 0, "copy_min_ngram must be >= 0 (0: never copy)")
         check(self.support_size >= 1, "support_size must be >= 1")
         parse_cpus(self.cpus)
 

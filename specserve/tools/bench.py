@@ -559,7 +559,9 @@ def start_stack(args, with_ports: bool = False):
                "--draft-metrics-port", str(ports["draft_metrics"]), "--verify-metrics-port", str(ports["verify_metrics"]),
                "--target", args.target, "--draft", args.draft, "--device", args.device,
                "--max-speculating-requests", getattr(args, "max_speculating_requests", "auto"),
-               *(["--draft-service"] if draft_service else [])]  # fmt: skip
+               *(["--draft-service"] if draft_service else []),
+               *(["--copy-min-ngram", str(args.copy_min_ngram)] if getattr(args, "copy_min_ngram", None) is not None
+                 else [])]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{ports['gateway']}"
     deadline = time.monotonic() + 300
@@ -602,6 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--url", help="a running gateway (its base URL); none: start the stack on --target/--draft")
     parser.add_argument("--target", default=str(DEMO_TARGET), help="target model of a stack the bench starts")
     parser.add_argument("--draft", default=str(DEMO_DRAFT), help="draft model of a stack the bench starts")
+    parser.add_argument("--copy-min-ngram", type=int, default=None,
+                        help="a stack the bench starts: `specserve up --copy-min-ngram` (default: the services')")  # fmt: skip
     parser.add_argument("--device", default="auto", help="device of a stack the bench starts")
     parser.add_argument(
         "--max-speculating-requests",
