@@ -3,14 +3,12 @@
 The pair is a small Python-code *target* and a distilled *draft* that shares its tokenizer
 and is trained to agree with it (high acceptance in speculative decoding, see docs/design.md).
 
-The defaults are recipe v2 (2026-12-05); the shipped pair is v1's, which ``--copy-per-batch 0
---chat-per-batch 0 --target-tokens 3000000 --precision float32 --copying-tokens 0
---greedy-sample-count 0 --sampled-per-batch 2 --draft-tokens 2500000`` makes again. v2's
-third run, these defaults (models/demo/README.md, "Recipe v2"), made a far better target
-(held-out perplexity 15.6 against 65; copy agreement 0.87 against 0.24; n-gram speculation
-2.27x target-only on copy-heavy prompts against 1.29x) whose 2 x 128 draft cannot follow
-it (greedy acceptance 0.52 against 0.85: the target copies from its context, the draft
-does not), so it is not shipped.
+The defaults are recipe v2 (2026-12-05), whose third run is the shipped pair: held-out
+perplexity 15.6 (v1's 65), copy agreement 0.87 (v1's 0.24); its 2 x 128 draft does not copy,
+and the drafter starts a round's drafts with a copy of the context where it repeats
+(docs/design.md, "A copy before the draft"). v1 (models/demo/README.md) is made again by
+``--copy-per-batch 0 --chat-per-batch 0 --target-tokens 3000000 --precision float32
+--copying-tokens 0 --greedy-sample-count 0 --sampled-per-batch 2 --draft-tokens 2500000``.
 
 Run ``python -m specserve.tools.train_demo --stage all`` or
 one stage at a time: ``tokenizer``, ``target``, ``copying``, ``draft``, ``export``, ``eval``.
