@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         from specserve.tools.demo_eval import main as eval_demo
 
         return eval_demo(argv[1:])
+    if argv and argv[0] == "train-medusa":
+        from specserve.tools.train_medusa import main as train_medusa
+
+        return train_medusa(argv[1:])
     if argv and argv[0] == "train-demo":
         from specserve.tools.train_demo import main as train_demo
 
@@ -138,6 +142,7 @@ def _parser() -> argparse.ArgumentParser:
         commands.add_parser(name, help=f"run only the {name} service (`specserve {name} --help`)", add_help=False)
     commands.add_parser("gen-protos", help="regenerate the gRPC stubs from protos/ (--check to verify)", add_help=False)
     commands.add_parser("train-demo", help="train the embedded demo model pair", add_help=False)
+    commands.add_parser("train-medusa", help="train Medusa heads for a frozen target", add_help=False)
     commands.add_parser(
         "fuzz", help="generated bad input against a running stack (needs the test extras)", add_help=False
     )

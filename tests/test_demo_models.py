@@ -25,13 +25,22 @@ def test_demo_pair_loads_as_it_is_and_shares_a_tokenizer():
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
     assert chat.endswith("<|assistant|>\n")
-    sizes = 0
+    sizes = (DEMO_MODELS / "medusa" / "model.safetensors").stat().st_size
     for directory in (DEMO_TARGET, DEMO_DRAFT):
         model = AutoModelForCausalLM.from_pretrained(directory)
         assert model.config.model_type == "llama" and model.dtype == torch.float16
         sizes += (directory / "model.safetensors").stat().st_size
     assert sizes <= 40 * 1024 * 1024
     assert (DEMO_MODELS / "heldout_files.txt").read_text().split()
+
+
+def test_the_demo_medusa_heads_fit_the_demo_target_and_no_other():
+    from specserve.medusa import HeadsMismatch, load_heads
+
+    heads = load_heads(DEMO_MODELS / "medusa", DEMO_TARGET)
+    assert heads.config.num_heads >= 2
+    with pytest.raises(HeadsMismatch):
+        load_heads(DEMO_MODELS / "medusa", DEMO_DRAFT)
 
 
 def test_the_training_recipe_runs_end_to_end_in_smoke_mode(tmp_path):
