@@ -17,7 +17,8 @@ class DraftConfig(ServiceOptions):
     copy_min_ngram: int = field(
         2,
         "a model's drafts start with a copy of what followed where the sequence's last copy_min_ngram "
-        "(or more, up to ngram_max) tokens occurred before, and the model drafts the rest (0: never copy)",
+        "(or more) tokens occurred before, while such copies hold the target's tokens at least as often as "
+        "the model's drafts, and the model drafts the rest (0: never copy)",
     )
     support_size: int = field(32, "draft tokens are drawn from the draft's top support_size tokens, renormalised")
     max_speculative_tokens: int = field(16, "largest K accepted per request")

@@ -133,7 +133,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="a model's drafts start with a copy of the context where its last tokens repeat a span this long "
-        "or longer (0: never; the services' default: 2). Turn it off for a target that copies no better than its draft",
+        "or longer, while such copies hold the target's tokens at least as often as the model's drafts "
+        "(0: never; the services' default: 2)",
     )
     up_parser.add_argument("--startup-timeout", type=float, default=300, help="seconds to wait for readiness")
     _add_request_defaults(up_parser)

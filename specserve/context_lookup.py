@@ -1,8 +1,11 @@
 """Drafts from the sequence itself: what followed an earlier occurrence of its end. The
 ngram method drafts with it alone, and a model's chain of drafts starts with it where the
-context repeats (specserve/drafting.py)."""
+context repeats and such copies have held the target's tokens at least as often as the
+model's own drafts (CopyScore; specserve/drafting.py)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 def ngram_drafts(tokens: list[int], k: int, max_n: int, min_n: int = 1) -> list[int]:
@@ -28,3 +31,48 @@ def ngram_drafts(tokens: list[int], k: int, max_n: int, min_n: int = 1) -> list[
     if best_n < max(1, min_n):
         return []
     return tokens[best_end + 1 : best_end + 1 + k]
+
+
+DECAY = 0.98  # per judged position: a session's text changes as it goes
+
+
+@dataclass
+class CopyScore:
+    """Whether a session's model drafts should start with a copy of its context: how often a
+    copy and the model's own drafts held the target's token, at the positions of the rounds
+    that judged them (up to and including a round's first rejected draft), decayed. Where a
+    round drafted from the model though a copy existed, the copy is judged too, as if
+    proposed. A copy is taken while its rate is at least the model's; both start at 1/2."""
+
+    copy_right: float = 1.0
+    copy_judged: float = 2.0
+    model_right: float = 1.0
+    model_judged: float = 2.0
+    last: tuple[int, tuple[int, ...], tuple[int, ...], int] | None = None  # position, drafts, copy, copied
+
+    def prefers_copy(self) -> bool:
+        return self.copy_right * self.model_judged >= self.model_right * self.copy_judged
+
+    def proposed(self, position: int, drafts: list[int], copy: list[int], copied: int) -> None:
+        """A round's drafts from position on, the copy the context offered and how many of them it gave."""
+        self.last = (position, tuple(drafts), tuple(copy), copied)
+
+    def judge(self, verified: list[int]) -> None:
+        """Scores the last round's drafts against the verified tokens now known."""
+        if self.last is None:
+            return
+        position, drafts, copy, copied = self.last
+        self.last = None
+        truth = verified[position : position + len(drafts)]
+        kept = next((i for i, (a, b) in enumerate(zip(drafts, truth)) if a != b), len(truth))
+        for i in range(min(kept + 1, len(truth))):
+            if i < copied:
+                self._count("copy", drafts[i] == truth[i])
+                continue
+            self._count("model", drafts[i] == truth[i])
+            if i < len(copy):
+                self._count("copy", copy[i] == truth[i])
+
+    def _count(self, kind: str, right: bool) -> None:
+        setattr(self, f"{kind}_right", DECAY * getattr(self, f"{kind}_right") + right)
+        setattr(self, f"{kind}_judged", DECAY * getattr(self, f"{kind}_judged") + 1)

@@ -13,9 +13,10 @@ no distributions. Drafting stops early, for the model methods, once the draft's 
 next token falls below min_draft_probability (adaptive length).
 
 A model's chain of drafts starts with a copy where the context repeats: when the sequence's
-last copy_min_ngram (0: never) or more tokens occurred before, the first drafts are what
-followed them (one-hot, as ngram's), read by the model in its catch-up's forward, and the
-model drafts the rest of K (docs/design.md, "A copy before the draft").
+last copy_min_ngram (0: never) or more tokens occurred before, and such copies have held the
+target's tokens at least as often as the model's drafts in the session, the first drafts are
+what followed them (one-hot, as ngram's), read by the model in its catch-up's forward, and
+the model drafts the rest of K (docs/design.md, "A copy before the draft").
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.context_lookup import ngram_drafts
+from specserve.context_lookup import CopyScore, ngram_drafts
 from specserve.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted, require
 from specserve.model.backends import Backend, ForwardRow, KVSequence, forward_in_budget
 from specserve.model.loading import LoadedModel
@@ -84,6 +85,7 @@ class DraftSession:
     sequence: KVSequence | None  # None for ngram: there is no cache
     verified: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the cache
+    copy_score: CopyScore = field(default_factory=CopyScore)  # whether its drafts start with a copy
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,8 @@ class _Drafting:
     verified: list[int]
     k: int
     start: int = 0  # where the job's tokens start: the session's cache held the verified tokens before it
-    copied: list[int] = field(default_factory=list)  # the drafts copied from the context, read in the catch-up
+    offered: list[int] = field(default_factory=list)  # what the context offered to copy
+    copied: list[int] = field(default_factory=list)  # the drafts copied from it, read in the catch-up
     drafts: list[int] = field(default_factory=list)
     distributions: list[SparseDistribution] = field(default_factory=list)
     bonus_guess: int = -1
@@ -186,6 +189,8 @@ class Drafter:
         active = [item for group in groups.values() for item in group]
         for index, d in active:
             d.job.session.verified = d.verified
+            if d.job.tree is None:
+                d.job.session.copy_score.proposed(len(d.verified), d.drafts, d.offered, len(d.copied))
             results[index] = Proposal(
                 len(d.verified),
                 tuple(d.drafts),
@@ -233,7 +238,9 @@ class Drafter:
         d = _Drafting(job, verified, max(0, min(job.num_speculative_tokens, room)), start=start)
         copy_n = self.options.copy_min_ngram
         if copy_n and job.session.method != "ngram" and job.tree is None:
-            d.copied = ngram_drafts(verified, d.k, self.options.ngram_max, min_n=copy_n)
+            job.session.copy_score.judge(verified)
+            d.offered = ngram_drafts(verified, d.k, self.options.ngram_max, min_n=copy_n)
+            d.copied = list(d.offered) if job.session.copy_score.prefers_copy() else []
             d.drafts = list(d.copied)
             if not job.sampling.is_greedy:
                 d.distributions = [SparseDistribution((t,), (1.0,)) for t in d.copied]

@@ -189,6 +189,45 @@ def test_a_models_drafts_start_with_a_copy_where_the_context_repeats(tiny_pair, 
     assert alone.draft_token_ids == draft(plain, [1, 2, 3, 1], 3)[0].draft_token_ids
 
 
+def test_copies_stop_where_the_models_drafts_hold_the_target_better_and_come_back_when_they_do_not():
+    from specserve.context_lookup import CopyScore
+
+    score = CopyScore()
+    assert score.prefers_copy()  # no evidence yet: copies first
+    for position in range(0, 40, 4):  # the copy offered 7, 8; the target wrote 1, 2 as the model drafted
+        score.proposed(position, [7, 8, 5], [7, 8], copied=2)
+        score.judge([1, 2, 5, 6] * 11)
+        if not score.prefers_copy():
+            break
+    assert not score.prefers_copy()
+    for position in range(4, 200, 4):  # drafting from the model: its drafts wrong, the copy (judged unused) right
+        score.proposed(position, [9, 9], [1, 2], copied=0)
+        score.judge([1, 2, 5, 6] * 51)
+        if score.prefers_copy():
+            break
+    assert score.prefers_copy()
+
+
+def test_a_session_whose_copies_are_rejected_drafts_from_the_model(tiny_pair):
+    _, draft_dir = tiny_pair
+    loaded = load_model(str(draft_dir), CPU, torch.float32)
+    drafter = Drafter({"draft_model": loaded}, DraftOptions.of(DraftConfig(), loaded))
+    plain = Drafter({"draft_model": loaded}, DraftOptions.of(DraftConfig(copy_min_ngram=0), loaded))
+    session = drafter.open_session("s", "draft_model")
+    verified = [5, 6, 7, 8, 30, 5, 6]  # offers the copy 7, 8, ...
+
+    def propose(drafter, session):
+        job = DraftJob(session, tuple(verified[len(session.verified) :]), len(verified), 3, GREEDY)
+        return drafter.step([job])[0].draft_token_ids
+
+    assert propose(drafter, session)[:2] == (7, 8)
+    for _ in range(12):  # the target never writes the copy's first token, then [5, 6] again
+        verified += [100 + len(verified) % 50, 5, 6]
+        propose(drafter, session)
+    assert not session.copy_score.prefers_copy()
+    assert propose(drafter, session) == propose(plain, plain.open_session("p", "draft_model"))
+
+
 def test_confidence_stop_and_bonus_guess(tiny_pair):
     _, draft_dir = tiny_pair
     loaded = load_model(str(draft_dir), CPU, torch.float32)
