@@ -23,6 +23,9 @@ def test_bad_values_are_usage_errors(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         parse_config(DraftConfig, "draft", ["--support-size", "0"], "draft", "")
     assert "support_size must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(VerifyConfig, "verify", ["--copy-min-ngram", "-1"], "verify", "")
+    assert "copy_min_ngram must be >= 0" in capsys.readouterr().err
     monkeypatch.setenv("SPECSERVE_GATEWAY_PORT", "eighty")
     with pytest.raises(SystemExit):
         parse_config(GatewayConfig, "gateway", [], "gateway", "")
