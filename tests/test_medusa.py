@@ -85,3 +85,13 @@ def test_train_medusa_learns_the_targets_later_tokens_in_seconds(tiny_pair, tmp_
 
     assert heldout_kl(trained_heads) < 0.8 * heldout_kl(untrained_heads)
     assert report["greedy_tokens_per_round"]["top1"] >= 1.0
+
+
+def test_train_medusa_refuses_bad_flags_before_loading_anything(tmp_path):
+    from specserve.tools import train_medusa
+
+    with pytest.raises(SystemExit, match="--seq-len must exceed"):
+        train_medusa.main(["--seq-len", "4", "--out", str(tmp_path / "h")])
+    with pytest.raises(SystemExit, match="no config.json"):
+        train_medusa.main(["--target", str(tmp_path), "--out", str(tmp_path / "h")])
+    assert not (tmp_path / "h").exists()

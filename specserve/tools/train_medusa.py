@@ -261,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.heads < 1 or args.heads > 16:
         raise SystemExit("--heads must lie in 1..16")
+    if args.seq_len < args.heads + 3 or args.positions < 1 or args.batch < 1 or args.tokens < 1:
+        raise SystemExit("--seq-len must exceed --heads + 2, and --positions, --batch and --tokens be >= 1")
     if not (Path(args.target) / "config.json").is_file():
         raise SystemExit(f"--target {args.target}: no config.json there (a Hugging Face model directory)")
     run(args)
