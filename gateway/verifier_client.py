@@ -6,6 +6,7 @@ session is the request's generation._Session: its id, route, sequence and sampli
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -133,7 +134,7 @@ async def decode(session, request: verify_pb2.DecodeRequest, parent: Context | N
     call_span = start_span(
         f"{VERIFY_SERVICE}/Decode", kind=SpanKind.CLIENT, context=parent, attributes=_DECODE_ATTRIBUTES
     )
-    call, status = None, grpc.StatusCode.OK
+    call, status, made = None, grpc.StatusCode.OK, 0
     try:
         last = time.perf_counter()
         backends = session.backends
@@ -144,7 +145,9 @@ async def decode(session, request: verify_pb2.DecodeRequest, parent: Context | N
         wire_bytes = request.ByteSize()  # counted with the first round
         while (response := await asyncio.wait_for(call.read(), backends.rpc_timeout_s)) is not grpc.aio.EOF:
             now = time.perf_counter()
-            yield decoded_round(response, now - last, wire_bytes + response.ByteSize())
+            round_ = decoded_round(response, now - last, wire_bytes + response.ByteSize())
+            made += len(round_.new_tokens)
+            yield round_
             last, wire_bytes = now, 0
     except grpc.aio.AioRpcError as error:
         status = error.code()
@@ -154,10 +157,23 @@ async def decode(session, request: verify_pb2.DecodeRequest, parent: Context | N
         raise
     finally:  # GeneratorExit (the consumer has what it wanted) ends the span as OK
         if call is not None:
-            call.cancel()  # nothing when it has finished
+            await _end(call, status == grpc.StatusCode.OK and made >= request.max_tokens)
         if call_span.is_recording():
             set_rpc_status(call_span, status)
             call_span.end()
+
+
+async def _end(call, made_all: bool) -> None:
+    """Ends a Decode call whose consumer stopped: a stream that made every token asked for
+    ends by itself right after its last one, so it is let end (OK on both sides, not a
+    cancellation racing the server's status); any other is cancelled (nothing when it has
+    finished)."""
+    try:
+        if made_all and not call.done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(call.code(), 1.0)
+    finally:
+        call.cancel()
 
 
 _DECODE_ATTRIBUTES = {"rpc.system": "grpc", "rpc.service": VERIFY_SERVICE, "rpc.method": "Decode"}

@@ -33,6 +33,14 @@ class _Stream:
             raise grpc.aio.AioRpcError(self._end, grpc.aio.Metadata(), grpc.aio.Metadata(), "scripted")
         return grpc.aio.EOF
 
+    def done(self) -> bool:
+        return self.cancelled or (not self._responses and self._end != "stall")
+
+    async def code(self):
+        if self._end == "stall":
+            await asyncio.sleep(3600)
+        return self._end if isinstance(self._end, grpc.StatusCode) else grpc.StatusCode.OK
+
     def cancel(self):
         self.cancelled = True
 
