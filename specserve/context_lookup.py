@@ -5,7 +5,9 @@ model's own drafts (CopyScore; specserve/drafting.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from specserve.protocol import SparseDistribution
 
 
 def ngram_drafts(tokens: list[int], k: int, max_n: int, min_n: int = 1) -> list[int]:
@@ -33,7 +35,24 @@ def ngram_drafts(tokens: list[int], k: int, max_n: int, min_n: int = 1) -> list[
     return tokens[best_end + 1 : best_end + 1 + k]
 
 
+def one_hot(tokens: list[int]) -> list[SparseDistribution]:
+    """The distributions of drafts copied from the sequence: each its token's, one-hot."""
+    return [SparseDistribution((t,), (1.0,)) for t in tokens]
+
+
 DECAY = 0.98  # per judged position: a session's text changes as it goes
+
+
+@dataclass
+class _Rate:
+    """How often drafts of one kind held the target's token, decayed; 1/2 before any."""
+
+    right: float = 1.0
+    judged: float = 2.0
+
+    def add(self, right: bool) -> None:
+        self.right = DECAY * self.right + right
+        self.judged = DECAY * self.judged + 1
 
 
 @dataclass
@@ -44,14 +63,12 @@ class CopyScore:
     round drafted from the model though a copy existed, the copy is judged too, as if
     proposed. A copy is taken while its rate is at least the model's; both start at 1/2."""
 
-    copy_right: float = 1.0
-    copy_judged: float = 2.0
-    model_right: float = 1.0
-    model_judged: float = 2.0
+    copy: _Rate = field(default_factory=_Rate)
+    model: _Rate = field(default_factory=_Rate)
     last: tuple[int, tuple[int, ...], tuple[int, ...], int] | None = None  # position, drafts, copy, copied
 
     def prefers_copy(self) -> bool:
-        return self.copy_right * self.model_judged >= self.model_right * self.copy_judged
+        return self.copy.right * self.model.judged >= self.model.right * self.copy.judged
 
     def proposed(self, position: int, drafts: list[int], copy: list[int], copied: int) -> None:
         """A round's drafts from position on, the copy the context offered and how many of them it gave."""
@@ -67,12 +84,8 @@ class CopyScore:
         kept = next((i for i, (a, b) in enumerate(zip(drafts, truth)) if a != b), len(truth))
         for i in range(min(kept + 1, len(truth))):
             if i < copied:
-                self._count("copy", drafts[i] == truth[i])
+                self.copy.add(drafts[i] == truth[i])
                 continue
-            self._count("model", drafts[i] == truth[i])
+            self.model.add(drafts[i] == truth[i])
             if i < len(copy):
-                self._count("copy", copy[i] == truth[i])
-
-    def _count(self, kind: str, right: bool) -> None:
-        setattr(self, f"{kind}_right", DECAY * getattr(self, f"{kind}_right") + right)
-        setattr(self, f"{kind}_judged", DECAY * getattr(self, f"{kind}_judged") + 1)
+                self.copy.add(copy[i] == truth[i])

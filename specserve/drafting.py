@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.context_lookup import CopyScore, ngram_drafts
+from specserve.context_lookup import CopyScore, ngram_drafts, one_hot
 from specserve.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted, require
 from specserve.model.backends import Backend, ForwardRow, KVSequence, forward_in_budget
 from specserve.model.loading import LoadedModel
@@ -243,7 +243,7 @@ class Drafter:
             d.copied = list(d.offered) if job.session.copy_score.prefers_copy() else []
             d.drafts = list(d.copied)
             if not job.sampling.is_greedy:
-                d.distributions = [SparseDistribution((t,), (1.0,)) for t in d.copied]
+                d.distributions = one_hot(d.copied)
         return d
 
     def _limits(self, method: str) -> tuple[int, int]:
@@ -259,7 +259,7 @@ class Drafter:
     def _ngram(self, d: _Drafting) -> None:
         d.drafts = ngram_drafts(d.verified, d.k, self.options.ngram_max)
         if not d.job.sampling.is_greedy:
-            d.distributions = [SparseDistribution((t,), (1.0,)) for t in d.drafts]
+            d.distributions = one_hot(d.drafts)
 
     def _draft_all(self, backend: Backend, batch: list[_Drafting]) -> None:
         """Per position, one forward over the rows still drafting: a catch-up on the verified
