@@ -84,12 +84,17 @@ def check_against_eager(runner: LlamaRunner, eager: LlamaRunner, monkeypatch) ->
     # Greedy steps of all three rows: the same tokens.
     tokens = {id(r): [[0], [0], [0]] for r in (runner, eager)}
     for _ in range(12):
+        hidden = {}
         for r, s in zip((runner, eager), slots):
-            logits, argmax = r.forward_with_argmax(s, starts, tokens[id(r)], [1, 1, 1])
+            logits, argmax, hidden[id(r)] = r.forward_with_argmax(s, starts, tokens[id(r)], [1, 1, 1])
             tokens[id(r)] = [[int(row[-1].argmax())] for row in logits]
             # The compiled steps' own argmax (the greedy decision reads it): the logits' own.
             assert argmax == ([[t] for [t] in tokens[id(r)]] if r is runner else [None, None, None])
         assert tokens[id(runner)] == tokens[id(eager)]
+        # The normed hidden states the logits came from (Medusa heads read them): the eager forward's.
+        for compiled, expected in zip(hidden[id(runner)], hidden[id(eager)]):
+            assert compiled.shape == expected.shape == (1, runner.spec.hidden_size)
+            torch.testing.assert_close(compiled, expected, atol=tolerance, rtol=tolerance)
         starts = [n + 1 for n in starts]
     assert len(stepped) == 1 + 1 + 1 + 1 + 12  # every forward above: the prefill's 5-token row too
 
@@ -99,7 +104,8 @@ def test_a_step_that_disagrees_or_cannot_compile_leaves_the_eager_forward(tmp_pa
     directory = save("llama-tied-bias", tmp_path)
     make_step = compiled_steps._make_step
     monkeypatch.setattr(torch, "compile", lambda fn: fn)  # no compiling: the check is what is tested
-    monkeypatch.setattr(compiled_steps, "_make_step", lambda *a: lambda *b: make_step(*a)(*b) + 1e-2)
+    off = lambda logits, hidden: (logits + 1e-2, hidden)  # noqa: E731
+    monkeypatch.setattr(compiled_steps, "_make_step", lambda *a: lambda *b: off(*make_step(*a)(*b)))
     with caplog.at_level(logging.ERROR, logger="specserve.model.compiled_steps"):
         runner = draft_runner(directory, True)
         runner.compiled_steps.thread.join(timeout=60)
@@ -167,7 +173,12 @@ def test_a_target_whose_steps_depend_on_the_batch_serves_eager(tmp_path, monkeyp
 
     def batch_dependent(*args):
         step = make_step(*args)
-        return lambda *inputs: step(*inputs) * (1 + 1e-7 * inputs[2].shape[0])  # rows change the rounding
+
+        def rounded(*inputs):  # rows change the rounding
+            logits, hidden = step(*inputs)
+            return logits * (1 + 1e-7 * inputs[2].shape[0]), hidden
+
+        return rounded
 
     monkeypatch.setattr(compiled_steps, "_make_step", batch_dependent)
     with caplog.at_level(logging.ERROR, logger="specserve.model.compiled_steps"):

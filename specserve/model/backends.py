@@ -27,6 +27,9 @@ class KVSequence:
     # leading positions of each still hold what slot does.
     branch_slots: list[int] = field(default_factory=list)
     branch_synced: list[int] = field(default_factory=list)
+    # The runner's: the normed hidden states [n, hidden] of the tokens whose logits its last
+    # forward gave (a tree's: its nodes'), which Medusa heads read.
+    hidden: torch.Tensor | None = field(default=None, repr=False)
 
     def truncate(self, length: int) -> None:
         """Rollback: forgets everything past length (the runner overwrites it next time)."""
@@ -178,11 +181,12 @@ class RunnerBackend:
                 positions.append(part.base + depth)
                 read.append(slots[on[0]])
                 write.append([slots[branch] for branch in on])
-        logits, argmax = self.runner.forward_nodes(tokens, positions, read, write)
+        logits, argmax, hidden = self.runner.forward_nodes(tokens, positions, read, write)
         out, end = [], 0
         for part in parts:
             end += len(part.tokens)
             start = end - len(part.tokens)
+            part.sequence.hidden = hidden[start:end]
             out.append((logits[start:end], argmax[start:end] if argmax is not None else None))
         return out
 
@@ -208,14 +212,15 @@ class RunnerBackend:
         return [logits for logits, _ in self.forward_with_argmax(rows)]
 
     def forward_with_argmax(self, rows: list[ForwardRow]) -> list[tuple[torch.Tensor, list[int] | None]]:
-        logits, argmax = self.runner.forward_with_argmax(
+        logits, argmax, hidden = self.runner.forward_with_argmax(
             [row.sequence.slot for row in rows],
             [row.sequence.length for row in rows],
             [row.tokens for row in rows],
             [row.num_logits for row in rows],
         )
-        for row in rows:
+        for row, normed in zip(rows, hidden):
             row.sequence.length += len(row.tokens)
+            row.sequence.hidden = normed
         return list(zip(logits, argmax))
 
     def forward_last(self, rows: list[ForwardRow]) -> tuple[torch.Tensor, list[int]]:

@@ -34,7 +34,7 @@ import types
 
 import torch
 
-from specserve.model.llama import KEY_BLOCK, decoder_layer, final_logits
+from specserve.model.llama import KEY_BLOCK, decoder_layer, final_outputs
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +79,10 @@ def _make_step(runner):
         positions: torch.Tensor,  # [B] int64
         writes: torch.Tensor,  # [3, W] int64: (row, slot, position) where each new key is stored
         key_index: torch.Tensor,  # [L] int64 0..L-1: the keys read per row, L > every position
-    ) -> torch.Tensor:
-        """Logits [B, vocab] float32 of one token per row. A chain's rows store their keys in
-        their own slots at their positions; a token tree's node also into the slot of every
-        branch it lies on (see runner.TreeRows)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, vocab] float32 of one token per row, and its normed hidden state [B,
+        hidden]. A chain's rows store their keys in their own slots at their positions; a token
+        tree's node also into the slot of every branch it lies on (see runner.TreeRows)."""
         batch, num_keys = tokens.shape[0], key_index.shape[0]
         x = embed[tokens].to(norm.dtype)  # [B, hidden]
         allowed = key_index[None, :] <= positions[:, None]  # [B, L]
@@ -104,7 +104,7 @@ def _make_step(runner):
         cos, sin = cos_table[positions], sin_table[positions]  # [B, d]
         for i, layer in enumerate(layers):
             x = decoder_layer(x, layer, spec, cos, sin, functools.partial(attend, i))
-        return final_logits(x, norm, lm_head, spec.rms_norm_eps)  # [B, vocab]
+        return final_outputs(x, norm, lm_head, spec.rms_norm_eps)  # [B, vocab], [B, hidden]
 
     return step
 
@@ -200,7 +200,7 @@ class CompiledSteps:
             for cache in (*runner.k_cache, *runner.v_cache):
                 cache[slot].zero_()
             runner.forward_eager([slot], [0], [prompt[:-1]], [1])
-            expected = runner.forward_eager([slot], [length - 1], [prompt[-1:]], [1])[0][0]
+            expected = runner.forward_eager([slot], [length - 1], [prompt[-1:]], [1])[0][0][0]
             actual = self.step([slot], [length - 1], [prompt[-1]])[0]
             if not torch.allclose(actual, expected, atol=1e-3, rtol=1e-3):
                 raise RuntimeError(
@@ -300,9 +300,9 @@ class CompiledSteps:
         positions: list[int],
         tokens: list[int],
         writes: tuple[list[int], list[int], list[int]] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [len(slots), vocab] float32 of one token per row, and their argmax
-        [len(slots)]. writes: (row, slot, position) of every place a new key is stored, where
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logits [len(slots), vocab] float32 of one token per row, their argmax [len(slots)]
+        and the normed hidden states [len(slots), hidden] they came from. writes: (row, slot, position) of every place a new key is stored, where
         that is not only each row's own (a token tree's nodes)."""
         runner = self.runner
         num_keys = min(runner.max_len, -(-(max(positions) + 1) // KEY_BLOCK) * KEY_BLOCK)
@@ -329,7 +329,7 @@ def _greedy_run(step, steps: int, owner: str):
         made = []
         for _ in range(steps):
             writes = torch.stack([torch.zeros_like(slots), slots, positions])
-            tokens = step(k_cache, v_cache, tokens, slots, positions, writes, key_index).argmax(-1)
+            tokens = step(k_cache, v_cache, tokens, slots, positions, writes, key_index)[0].argmax(-1)
             made.append(tokens)
             positions = positions + 1
         return torch.stack(made, 1)
@@ -345,16 +345,17 @@ def _own_code(function, name: str):
 
 
 def _with_argmax(step, owner: str):
-    """The step, also returning each row's argmax: a greedy draft's token, or a greedy
-    decision's, computed in the compiled loops instead of by an op of its own.
+    """The step, also returning each row's argmax (a greedy draft's token, or a greedy
+    decision's, computed in the compiled loops instead of by an op of its own) and its
+    normed hidden state.
 
     The function has a code object of its own, named for owner: torch.compile keeps its
     graphs per code object, so with one shared code a draft's and a target's steps in one
     process (a verifier that drafts) would be recompiled as one function of dynamic weight
     shapes (generic loops, and every call checked against the other's graphs first)."""
 
-    def step_with_argmax(*args) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = step(*args)
-        return logits, logits.argmax(-1)
+    def step_with_argmax(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits, hidden = step(*args)
+        return logits, logits.argmax(-1), hidden
 
     return _own_code(step_with_argmax, f"step_with_argmax_{owner}")

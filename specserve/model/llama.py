@@ -116,7 +116,16 @@ def mlp(layer: Layer, h: torch.Tensor) -> torch.Tensor:
 
 def final_logits(x: torch.Tensor, norm: torch.Tensor, lm_head: Linear, eps: float) -> torch.Tensor:
     """Logits [T, vocab] float32 of the last layer's tokens x [T, hidden]."""
-    return lm_head(rms_norm(x, norm, eps)).float()
+    return final_outputs(x, norm, lm_head, eps)[0]
+
+
+def final_outputs(
+    x: torch.Tensor, norm: torch.Tensor, lm_head: Linear, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """final_logits, and the tokens' hidden states after the final norm [T, hidden] (the LM
+    head's input, which Medusa heads read: specserve/medusa.py)."""
+    normed = rms_norm(x, norm, eps)
+    return lm_head(normed).float(), normed
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

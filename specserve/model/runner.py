@@ -28,7 +28,7 @@ from specserve.model.llama import (
     RunnerSpec,
     UnsupportedModel,
     decoder_layer,
-    final_logits,
+    final_outputs,
     rope_tables,
 )
 from specserve.model.weights import Weights
@@ -144,11 +144,9 @@ class LlamaRunner:
         if not self._free_slots:
             return None
         slot = self._free_slots.pop()
-        # Rows of a batch read keys up to the longest row; a shorter row's unwritten positions
-        # are masked, but a masked 0 weight times a NaN of uninitialised memory is still NaN.
-        # A slot is zeroed the first time it is handed out; later it holds an earlier
-        # session's keys and values, finite (zeroing the demo target's 20 MB slot again at
-        # every request took milliseconds of each request's time to first token).
+        # Zeroed when first handed out (a masked 0 weight times a NaN of uninitialised memory
+        # is NaN); later it holds an earlier session's keys, finite (zeroing the demo target's
+        # 20 MB slot at every request took milliseconds of each one's time to first token).
         if slot in self._never_used:
             for cache in (*self.k_cache, *self.v_cache):
                 cache[slot].zero_()
@@ -171,17 +169,17 @@ class LlamaRunner:
 
     def forward_with_argmax(
         self, slots: list[int], starts: list[int], tokens: list[list[int]], num_logits: list[int]
-    ) -> tuple[list[torch.Tensor], list[list[int] | None]]:
-        """forward(), and per row the argmax of each of its logits where the compiled steps
-        made it with them (None where the row ran eager): a greedy decision then needs no
-        reduction over the vocabulary of its own."""
+    ) -> tuple[list[torch.Tensor], list[list[int] | None], list[torch.Tensor]]:
+        """forward(), per row the argmax of its logits where the compiled steps made it (None
+        where eager), and the normed hidden states the logits came from."""
         counts = [len(t) for t in tokens]
         assert all(n > 0 for n in counts), "every row appends at least one token"
         assert all(s + n <= self.max_len for s, n in zip(starts, counts)), "a row runs past its cache slot"
         steps = self.compiled_steps
         if steps is not None and steps.ready:
             return self._forward_as_token_rows(slots, starts, tokens, num_logits)
-        return self.forward_eager(slots, starts, tokens, num_logits), [None] * len(tokens)
+        logits, hidden = self.forward_eager(slots, starts, tokens, num_logits)
+        return logits, [None] * len(tokens), hidden
 
     @torch.inference_mode()
     def forward_last(
@@ -197,7 +195,7 @@ class LlamaRunner:
             return logits, logits.argmax(-1).tolist()
         token_slots = [slot for slot, row in zip(slots, tokens) for _ in row]
         positions = [start + i for start, row in zip(starts, tokens) for i in range(len(row))]
-        logits, argmax = steps.step_with_argmax(token_slots, positions, [t for row in tokens for t in row])
+        logits, argmax, _ = steps.step_with_argmax(token_slots, positions, [t for row in tokens for t in row])
         if len(token_slots) == len(tokens):  # one token per row: the usual draft step
             return logits, argmax.tolist()
         last = torch.tensor(list(itertools.accumulate(len(row) for row in tokens))) - 1
@@ -206,42 +204,45 @@ class LlamaRunner:
     @torch.inference_mode()
     def _forward_as_token_rows(
         self, slots: list[int], starts: list[int], tokens: list[list[int]], num_logits: list[int]
-    ) -> tuple[list[torch.Tensor], list[list[int] | None]]:
-        """forward() with compiled steps: every token of the rows of at most
+    ) -> tuple[list[torch.Tensor], list[list[int] | None], list[torch.Tensor]]:
+        """forward_with_argmax() with compiled steps: every token of the rows of at most
         EXACT_MAX_QUERIES tokens (decodes, verifies, a draft's steps and catch-ups, short
         prompts) is a row of one compiled step, in which each token attends to its own slot's
         keys up to its own position, so a target's results do not depend on K or on the
         batch; longer rows (prefills) run eager."""
         out: list[torch.Tensor] = [None] * len(tokens)  # type: ignore[list-item]
+        hidden: list[torch.Tensor] = [None] * len(tokens)  # type: ignore[list-item]
         best: list[list[int] | None] = [None] * len(tokens)
         short = [b for b, t in enumerate(tokens) if len(t) <= EXACT_MAX_QUERIES]
         long = [b for b, t in enumerate(tokens) if len(t) > EXACT_MAX_QUERIES]
         if long:
             pick = lambda values: [values[b] for b in long]  # noqa: E731
-            for b, logits in zip(long, self.forward_eager(pick(slots), pick(starts), pick(tokens), pick(num_logits))):
-                out[b] = logits
+            eager = self.forward_eager(pick(slots), pick(starts), pick(tokens), pick(num_logits))
+            for b, logits, normed in zip(long, *eager):
+                out[b], hidden[b] = logits, normed
         if short:
             token_slots = [slots[b] for b in short for _ in tokens[b]]
             positions = [starts[b] + i for b in short for i in range(len(tokens[b]))]
-            logits, argmax = self.compiled_steps.step_with_argmax(
+            logits, argmax, normed = self.compiled_steps.step_with_argmax(
                 token_slots, positions, [t for b in short for t in tokens[b]]
             )
             argmax, end = argmax.tolist(), 0
             for b in short:
                 end += len(tokens[b])
-                out[b], best[b] = logits[end - num_logits[b] : end], argmax[end - num_logits[b] : end]
-        return out, best
+                kept = slice(end - num_logits[b], end)
+                out[b], best[b], hidden[b] = logits[kept], argmax[kept], normed[kept]
+        return out, best, hidden
 
     @torch.inference_mode()
     def forward_nodes(
         self, tokens: list[int], positions: list[int], read_slots: list[int], write_slots: list[list[int]]
-    ) -> tuple[torch.Tensor, list[int] | None]:
+    ) -> tuple[torch.Tensor, list[int] | None, torch.Tensor]:
         """One token per row, at its position, attending to the keys of read_slots[t] up to its
         position, its own key and value stored in every slot of write_slots[t] (read_slots[t]
         among them): the nodes of token trees (specserve/model/trees.py), each slot a branch.
         A node reads its branch as the chain of its path would, so its logits are that
         chain's, to the bit. Returns (logits [T, vocab] float32, their argmax where the
-        compiled steps made it, else None)."""
+        compiled steps made it, else None, the normed hidden states [T, hidden])."""
         assert self.exact_attention, "token trees need exact attention"
         assert all(p < self.max_len for p in positions), "a node runs past its cache slot"
         writes = (
@@ -251,8 +252,8 @@ class LlamaRunner:
         )
         steps = self.compiled_steps
         if steps is not None and steps.ready:
-            logits, argmax = steps.step_with_argmax(read_slots, positions, tokens, writes)
-            return logits, argmax.tolist()
+            logits, argmax, hidden = steps.step_with_argmax(read_slots, positions, tokens, writes)
+            return logits, argmax.tolist(), hidden
         layout = BatchLayout(
             slots=torch.tensor(read_slots, device=self.device),
             token_slots=torch.tensor(read_slots, device=self.device),
@@ -266,7 +267,8 @@ class LlamaRunner:
             writes=tuple(torch.tensor(column, device=self.device) for column in writes),
         )
         x = self._layers(torch.tensor(tokens, dtype=torch.long, device=self.device), layout)
-        return final_logits(x, self.norm, self.lm_head, self.spec.rms_norm_eps), None
+        logits, hidden = final_outputs(x, self.norm, self.lm_head, self.spec.rms_norm_eps)
+        return logits, None, hidden
 
     def copy_positions(self, source: int, target: int, start: int, end: int) -> None:
         """The keys and values of positions start..end - 1 of slot source into slot target."""
@@ -277,8 +279,8 @@ class LlamaRunner:
     @torch.inference_mode()
     def forward_eager(
         self, slots: list[int], starts: list[int], tokens: list[list[int]], num_logits: list[int]
-    ) -> list[torch.Tensor]:
-        """forward() op by op."""
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """forward() op by op: per row its logits, and the normed hidden states they came from."""
         counts = [len(t) for t in tokens]
         layout = self._layout(slots, starts, counts)
         x = self._layers(torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=self.device), layout)
@@ -288,8 +290,8 @@ class LlamaRunner:
             ends = torch.tensor(counts, device=self.device).cumsum(0)
             picked = torch.cat([torch.arange(int(e) - k, int(e), device=self.device) for e, k in zip(ends, num_logits)])
             selected = x[picked]
-        logits = final_logits(selected, self.norm, self.lm_head, self.spec.rms_norm_eps)  # [sum(num_logits), vocab]
-        return list(logits.split(num_logits))
+        logits, hidden = final_outputs(selected, self.norm, self.lm_head, self.spec.rms_norm_eps)
+        return list(logits.split(num_logits)), list(hidden.split(num_logits))  # [sum(num_logits), vocab / hidden]
 
     def _layers(self, ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """The decoder layers over tokens ids [T]: the last layer's x [T, hidden]."""
