@@ -51,7 +51,7 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 class Speculation(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["draft_model", "early_exit", "ngram", "none"] | None = None
+    method: Literal["draft_model", "early_exit", "ngram", "medusa", "none"] | None = None
     num_speculative_tokens: int | None = None
     adaptive: bool | None = None
     min_draft_probability: float | None = None
@@ -316,9 +316,9 @@ def _tree(asked, default: str, method: str, served: ServedModel) -> TreeShape | 
     400 for a shape that is not one or does not fit."""
     if asked is None:
         return TreeShape.parse(default) if default and method in ("draft_model", "early_exit") else None
-    if method not in ("draft_model", "early_exit"):
+    if method not in ("draft_model", "early_exit", "medusa"):
         raise bad_request(
-            f"a token tree needs a draft model (draft_model or early_exit), not {method}", "speculation.tree"
+            f"a token tree needs a draft model (draft_model, early_exit or medusa), not {method}", "speculation.tree"
         )
     try:
         tree = TreeShape.parse(asked)

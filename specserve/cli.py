@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from specserve.paths import DEMO_DRAFT, DEMO_TARGET, missing_tokenizer
+from specserve.paths import DEMO_DRAFT, DEMO_MEDUSA, DEMO_TARGET, missing_tokenizer
 
 SERVICE_MODULES = {"draft": "draft_service", "verify": "verify_service", "gateway": "gateway"}
 
@@ -111,11 +111,7 @@ def _parser() -> argparse.ArgumentParser:
         help="draft service /metrics port, with --draft-service (default 9101)",
     )
     up_parser.add_argument("--verify-metrics-port", type=int, default=9102, help="verify /metrics port (default 9102)")
-    up_parser.add_argument(
-        "--target", default=str(DEMO_TARGET), help="target model directory (default: the demo target)"
-    )
-    up_parser.add_argument("--draft", default=str(DEMO_DRAFT), help="draft model directory (default: the demo draft)")
-    up_parser.add_argument("--device", default="auto", help="torch device for both models (default auto)")
+    _add_models(up_parser)
     up_parser.add_argument(
         "--draft-service",
         action="store_true",
@@ -159,9 +155,18 @@ def _parser() -> argparse.ArgumentParser:
 EARLY_EXIT_LAYERS = 2  # the target's first layers that method early_exit drafts with
 
 
+def _add_models(up_parser: argparse.ArgumentParser) -> None:
+    up_parser.add_argument("--target", default=str(DEMO_TARGET), help="target model directory (default: the demo one)")
+    up_parser.add_argument("--draft", default=str(DEMO_DRAFT), help="draft model directory (default: the demo draft)")
+    up_parser.add_argument("--medusa", default=None,
+                           help="Medusa heads for the target, served as method medusa by the verifier ('' for none; "
+                                "default: the demo's heads with the demo target, else none)")  # fmt: skip
+    up_parser.add_argument("--device", default="auto", help="torch device for both models (default auto)")
+
+
 def _add_request_defaults(up_parser: argparse.ArgumentParser) -> None:
     """The gateway's request defaults (what a request that does not say gets), passed on."""
-    up_parser.add_argument("--method", choices=("draft_model", "early_exit", "ngram", "none"), default=None,
+    up_parser.add_argument("--method", choices=("draft_model", "early_exit", "ngram", "medusa", "none"), default=None,
                            help="speculation method of requests that set none (the gateway's default: draft_model)")  # fmt: skip
     up_parser.add_argument("--num-speculative-tokens", type=int, default=None,
                            help="K of requests that set none, where adaptive K starts (the gateway's default: 4)")  # fmt: skip
@@ -179,6 +184,7 @@ def _service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     verify = [*python, "verify_service", "--model", args.target, "--port", str(args.verify_port), "--device",
               args.device, "--metrics-port", str(args.verify_metrics_port)]  # fmt: skip
     verify += ["--trace-console"] if args.trace_console else []
+    verify += ["--medusa", _medusa(args)] if _medusa(args) else []
     copy = [] if args.copy_min_ngram is None else ["--copy-min-ngram", str(args.copy_min_ngram)]
     if not args.draft_service:
         return {"verify": [*verify, "--draft-model", args.draft, "--early-exit-layers", str(EARLY_EXIT_LAYERS), *copy]}
@@ -189,6 +195,12 @@ def _service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
                   "--early-exit-layers", str(EARLY_EXIT_LAYERS), *copy,
                   *(["--trace-console"] if args.trace_console else [])],
     }  # fmt: skip
+
+
+def _medusa(args: argparse.Namespace) -> str:
+    """The heads directory the verifier loads: asked, or the demo's with the demo target."""
+    demo = Path(args.target).resolve() == DEMO_TARGET.resolve() and (DEMO_MEDUSA / "config.json").is_file()
+    return args.medusa if args.medusa is not None else str(DEMO_MEDUSA) if demo else ""
 
 
 def _gateway_command(args: argparse.Namespace) -> list[str]:

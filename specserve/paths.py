@@ -8,6 +8,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_MODELS = REPO_ROOT / "models" / "demo"
 DEMO_TARGET = DEMO_MODELS / "target"
 DEMO_DRAFT = DEMO_MODELS / "draft"
+DEMO_MEDUSA = DEMO_MODELS / "medusa"  # the demo target's Medusa heads
 
 # Files of which a model directory holds at least one where it has a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")

@@ -22,7 +22,8 @@ from specserve.errors import InvalidArgument, require
 from specserve.trees import TreeShape, TreeShapeError
 from specserve.v1 import verify_pb2
 
-METHODS = ("draft_model", "early_exit", "ngram")
+# medusa: the target's own Medusa heads, served by a verifier that loaded them (--medusa).
+METHODS = ("draft_model", "early_exit", "ngram", "medusa")
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Speculation:
         require(self.method in METHODS, f"speculation method must be one of {', '.join(METHODS)}, got {self.method!r}")
         require(
             self.tree is None or self.method != "ngram",
-            "token trees are drafted by a model (draft_model, early_exit); ngram drafts chains",
+            "token trees are drafted by a model (draft_model, early_exit, medusa); ngram drafts chains",
         )
         require(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1")
         low, high = self.k_bounds

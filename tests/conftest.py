@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
     # Triton kernels run on the CPU through the interpreter; must be set before triton.jit runs.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from specserve.medusa import MedusaConfig, MedusaHeads, save_heads  # noqa: E402
 from specserve.tools.testing import save_pair  # noqa: E402
 
 
@@ -70,6 +71,7 @@ def up_command(
         "--verify-port", str(verify_port), "--target", str(target_dir), "--draft", str(draft_dir), "--device", "cpu",
         "--draft-metrics-port", str(draft_metrics), "--verify-metrics-port", str(verify_metrics),
         *(["--draft-service"] if draft_service else []),
+        *(["--medusa", str(medusa_dir(target_dir))] if medusa_dir(target_dir).is_dir() else []),
     ]  # fmt: skip
 
 
@@ -135,7 +137,15 @@ def stop_process(process: subprocess.Popen, timeout_s: float = 30) -> int:
 def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     """A random target (2 layers) and a draft made of its first layer: they agree on the
     argmax about 60% of the time, so drafts are both accepted and rejected."""
-    return save_pair(tmp_path_factory.mktemp("tiny_pair"))
+    target_dir, draft_dir = save_pair(tmp_path_factory.mktemp("tiny_pair"))
+    save_heads(MedusaHeads(MedusaConfig.for_target(target_dir, 3)), medusa_dir(target_dir))
+    return target_dir, draft_dir
+
+
+def medusa_dir(target_dir: Path) -> Path:
+    """Where a tiny target's Medusa heads lie, which the stacks started here serve (fresh
+    heads: each guesses what the target's LM head guesses for the next token)."""
+    return target_dir.parent / "medusa"
 
 
 @pytest.fixture(scope="session")

@@ -238,11 +238,13 @@ def colocated(tiny_pair):
     stop_process(stack.process)
 
 
-def test_verifier_killed_mid_speculative_stream_the_stream_completes_identically(colocated):
+@pytest.mark.parametrize("method", ["draft_model", "medusa"])
+def test_verifier_killed_mid_speculative_stream_the_stream_completes_identically(colocated, method):
     # The verifier drafts and verifies round after round in one Decode stream; when it dies,
-    # the gateway prefills the restarted one from its own sequence and speculates on.
+    # the gateway prefills the restarted one from its own sequence and speculates on (Medusa's
+    # heads from the hidden state that prefill leaves).
     stack, verify_metrics = colocated
-    speculation = {"speculation": {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}}
+    speculation = {"speculation": {"method": method, "num_speculative_tokens": 3, "adaptive": False}}
     reference = greedy(stack.url, 300, speculation={"method": "none"})["choices"][0]["token_ids"]
     verify_port = stack.verify_address.rsplit(":", 1)[1]
     body = {"prompt": [7, 8, 9], "max_tokens": 300, "temperature": 0, **speculation}

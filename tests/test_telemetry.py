@@ -183,3 +183,31 @@ def test_a_request_whose_rounds_the_verifier_drafts_is_one_trace_round_by_round(
     verifier = httpx.get(f"http://127.0.0.1:{verify_metrics}/metrics").text
     assert "specserve:drafter_batch_size_bucket" in verifier and "specserve:verifier_batch_size_bucket" in verifier
     assert "specserve:drafter_compiling_steps 0.0" in verifier
+
+
+def test_a_medusa_request_beside_a_draft_service_is_one_decode_call_and_no_draft_span(traced):
+    """Medusa's rounds run in the verifier even where a draft service drafts the other
+    methods: one Decode call, the heads' drafting, the target's forward and the decision of
+    each round under its server span, and nothing from the draft service."""
+    stack, collector, _, _ = traced
+    body = {"prompt": [5, 6, 10], "max_tokens": 16, "temperature": 0, "return_timings": True,
+            "speculation": {"method": "medusa", "num_speculative_tokens": 3, "adaptive": False}}  # fmt: skip
+    usage = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()["usage"]
+    rounds = usage["timings"]["rounds"]
+    assert usage["speculation"]["num_drafts"] >= 1
+    deadline = time.monotonic() + 30
+    while True:
+        spans = collector.snapshot()
+        requests = [s for s in spans if s["attributes"].get("specserve.speculation.method") == "medusa"]
+        trace = [s for s in spans if requests and s["trace_id"] == requests[0]["trace_id"]]
+        if len([s for s in trace if s["name"] == "kernel.rejection_sample"]) >= rounds or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert {s["service"] for s in trace} == {"specserve-gateway", "specserve-verify"}
+    assert not [s for s in trace if s["name"] == DRAFT_CLIENT]
+    [client] = [s for s in trace if s["name"].endswith("VerifyService/Decode") and s["service"] == "specserve-gateway"]
+    [server] = [s for s in trace if s["parent_span_id"] == client["span_id"]]
+    under = [s for s in trace if s["parent_span_id"] == server["span_id"]]
+    for name in ("target.forward", "kernel.rejection_sample"):
+        assert len([s for s in under if s["name"] == name]) == rounds, name
+    assert 1 <= len([s for s in under if s["name"] == "draft.forward"]) <= rounds

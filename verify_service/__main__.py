@@ -9,6 +9,7 @@ import time
 
 from specserve.config import parse_config, pin_to_cpus
 from specserve.drafting import Drafter, DraftOptions
+from specserve.medusa import load_heads
 from specserve.model.loading import LoadedModel, load_for_service, load_tokenizer, tokenizer_fingerprint
 from specserve.model.runner import UnsupportedModel
 from specserve.serving.batching import Batcher
@@ -21,6 +22,7 @@ from verify_service.config import VerifyConfig
 from verify_service.engine import Verifier
 from verify_service.jobs import SweepJob
 from verify_service.local_drafts import LocalDrafting
+from verify_service.medusa_drafts import MedusaDrafting
 from verify_service.servicer import SERVICE_NAME, VerifyServicer
 
 log = logging.getLogger("verify_service")
@@ -56,7 +58,8 @@ def check_draft_tokenizer(config: VerifyConfig) -> None:
 
 
 def colocated_drafting(config: VerifyConfig, target: LoadedModel, metrics: ServiceMetrics) -> LocalDrafting:
-    """The verifier's own drafter: n-gram always, the draft model and early exit when asked."""
+    """The verifier's own drafter: n-gram always, the draft model, early exit and Medusa
+    heads when asked."""
     models = {}
     if config.draft_model:
         # A draft need not be bitwise row-independent: verification keeps the output exact.
@@ -71,7 +74,20 @@ def colocated_drafting(config: VerifyConfig, target: LoadedModel, metrics: Servi
     drafter_metrics = ServiceMetrics("drafter", metrics.registry)
     drafter_metrics.count_compiling(models)
     drafter = Drafter(models, options, drafter_metrics)
-    return LocalDrafting(drafter, config.max_speculative_tokens)
+    return LocalDrafting(drafter, config.max_speculative_tokens, medusa_drafting(config, target))
+
+
+def medusa_drafting(config: VerifyConfig, target: LoadedModel) -> MedusaDrafting | None:
+    """The Medusa heads in config.medusa, checked against the target (HeadsMismatch, a
+    ValueError, names the difference)."""
+    if not config.medusa:
+        return None
+    runner = getattr(target.backend, "runner", None)
+    if runner is None:
+        raise ValueError("Medusa heads need the runner backend (this target is served by transformers)")
+    heads = load_heads(config.medusa, config.model, dtype=runner.dtype)
+    log.info("Medusa heads: %d from %s", heads.config.num_heads, config.medusa)
+    return MedusaDrafting(heads, runner.lm_head, config.ngram_max, copy=config.copy_min_ngram > 0)
 
 
 def main(argv: list[str] | None = None) -> int:

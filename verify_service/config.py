@@ -40,6 +40,11 @@ class VerifyConfig(ServiceOptions):
     early_exit_layers: int = field(
         0, "serve method early_exit here from the target's own first layers (0: not served here)"
     )
+    medusa: str = field(
+        "",
+        "directory of Medusa heads made for this target (specserve train-medusa): requests with method medusa "
+        "then draft from the target's own hidden state, no draft model (empty: not served)",
+    )
     ngram_max: int = field(4, "longest suffix the colocated ngram drafter looks up")
     copy_min_ngram: int = field(
         2,

@@ -252,7 +252,7 @@ class Verifier:
         for job, row in speculative:
             room = min(job.max_tokens, self.loaded.max_context_length - len(row.session.tokens))
             choice = row.session.drafts.chooser.next_round(room)
-            wanted.append((row.session.drafts, row.session.tokens, choice, row.sampling))
+            wanted.append((row.session.drafts, row.session.tokens, choice, row.sampling, row.session.hidden))
         proposals, timing = self.local.propose(wanted)
         for (_, row), proposal in zip(speculative, proposals):
             row.drafts, row.distributions = proposal.draft_token_ids, proposal.draft_distributions
@@ -349,6 +349,9 @@ class Verifier:
 
     def _commit(self, row: _Row, num_accepted: int, next_token: int) -> Outcome:
         kept = row.drafts if row.path is None else keep_path(self.backend, row)
+        hidden = row.session.sequence.hidden  # the rows of the logits the forward gave
+        last = num_accepted if row.path is None else ([0, *row.path][num_accepted])
+        row.session.hidden = hidden[last] if hidden is not None and last < hidden.shape[0] else None
         num_accepted, next_token = self._stop_at_end_of_sequence(kept, num_accepted, next_token)
         session = row.session
         accepted = tuple(kept[:num_accepted])

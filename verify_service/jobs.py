@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from specserve.model.backends import KVSequence
 from specserve.protocol import SparseDistribution
 from specserve.sampling import SamplingParams
@@ -106,3 +108,6 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     drafts: SessionDrafts | None = None  # colocated drafting, from its first speculative decode
     last_decided_ns: int = 0  # a decode's previous round; 0 before the first round of a Decode call
+    # The target's normed hidden state [hidden] at the position whose logits gave the last
+    # token (None on the transformers backend): Medusa heads draft the next round from it.
+    hidden: torch.Tensor | None = field(default=None, repr=False)

@@ -4,6 +4,8 @@ the draft and the verify.
 
 The drafter is specserve's (the draft service runs the same one): its draft model, the
 target's own first layers (early exit) or n-gram lookup (always served: it needs no model).
+With Medusa heads loaded, method medusa drafts from the target's own hidden state
+(verify_service/medusa_drafts.py).
 Each session keeps its draft state and its KChooser, which picks each round's K from the
 session's measured costs and acceptance. Everything runs on the verifier's worker thread.
 """
@@ -18,6 +20,7 @@ from specserve.drafting import Drafter, DraftJob, DraftSession, Proposal
 from specserve.errors import RequestError
 from specserve.serving.logs import RateLimitedLog
 from specserve.speculation import KChooser, RoundChoice, Shared, Speculation
+from verify_service.medusa_drafts import MedusaDrafting
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +30,7 @@ class SessionDrafts:
     """A verifier session's colocated drafting: its draft state and its choice of K."""
 
     speculation: Speculation
-    draft: DraftSession
+    draft: DraftSession | None  # None for medusa: the heads keep no state of their own
     chooser: KChooser
     drafted_rounds: int = 0
     last_k: int = 0  # the K of the round before
@@ -66,8 +69,9 @@ class DraftTiming:
 
 
 class LocalDrafting:
-    def __init__(self, drafter: Drafter, max_speculative_tokens: int):
+    def __init__(self, drafter: Drafter, max_speculative_tokens: int, medusa: MedusaDrafting | None = None):
         self.drafter = drafter
+        self.medusa = medusa
         self.max_speculative_tokens = max_speculative_tokens
         self._failures = RateLimitedLog(log)
         self.shared = Shared()  # what the sessions learn together: round costs, acceptance
@@ -76,14 +80,16 @@ class LocalDrafting:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        return (*self.drafter.models, "ngram")
+        return (*self.drafter.models, "ngram", *(("medusa",) if self.medusa is not None else ()))
 
     def session_drafts(self, current: SessionDrafts | None, speculation: Speculation) -> SessionDrafts:
         """The session's drafting for these settings: the current one, or a new one when the
         settings changed (the old one closed once the new one is open)."""
         if current is not None and current.speculation == speculation:
             return current
-        draft = self.drafter.open_session("", speculation.method)  # raises for a method not served, or when full
+        medusa = speculation.method == "medusa"
+        # raises for a method not served, or when full
+        draft = None if medusa else self.drafter.open_session("", speculation.method)
         self.close(current)
         return SessionDrafts(speculation, draft, KChooser(speculation, self.shared, self.max_speculative_tokens))
 
@@ -93,25 +99,43 @@ class LocalDrafting:
         self.shared.costs.observe("none", 0, None, verify_s, round_s)
 
     def close(self, drafts: SessionDrafts | None) -> None:
-        if drafts is not None:
+        if drafts is not None and drafts.draft is not None:
             self.drafter.close_session(drafts.draft)
 
     def propose(
-        self, jobs: list[tuple[SessionDrafts, list[int], RoundChoice, object]]
+        self, jobs: list[tuple[SessionDrafts, list[int], RoundChoice, object, object]]
     ) -> tuple[list[LocalProposal], DraftTiming]:
-        """Drafts for (session drafts, verified tokens, round's choice, sampling) of every row at once;
-        a row whose drafting fails runs target-only this round."""
+        """Drafts for (session drafts, verified tokens, round's choice, sampling, the hidden
+        state of the session's last token's logits) of every row at once; a row whose drafting
+        fails runs target-only this round."""
         timing = DraftTiming(started_ns=time.time_ns())
-        wanted = [i for i, (_, _, choice, _) in enumerate(jobs) if choice.k > 0]
+        wanted = [i for i, (drafts, _, choice, _, _) in enumerate(jobs) if choice.k > 0 and drafts.draft is not None]
+        heads = [i for i, (drafts, _, choice, _, _) in enumerate(jobs) if choice.k > 0 and drafts.draft is None]
         out = [LocalProposal()] * len(jobs)
+        if heads:
+            self._medusa(jobs, heads, out)
         if wanted:
-            for i, proposal in zip(wanted, self._step([self._job(*jobs[i]) for i in wanted])):
+            for i, proposal in zip(wanted, self._step([self._job(*jobs[i][:4]) for i in wanted])):
                 if isinstance(proposal, Proposal):
                     out[i] = self._in_vocabulary(proposal)
                 elif not isinstance(proposal, RequestError):  # a request error: a sequence it cannot draft for
                     self._failures.warning("colocated drafting failed (%s); the round runs target-only", proposal)
         timing.ended_ns = time.time_ns()
         return out, timing
+
+    def _medusa(self, jobs: list, rows: list[int], out: list[LocalProposal]) -> None:
+        asked = []
+        for i in rows:
+            drafts, verified, choice, sampling, hidden = jobs[i]
+            drafts.tree_round = choice.tree is not None and sampling.is_greedy
+            asked.append((verified, hidden, choice.k, choice.tree, sampling.is_greedy))
+        try:
+            proposals = self.medusa.propose(asked)
+        except Exception as error:  # noqa: BLE001 - drafts are optional: the rounds run target-only
+            self._failures.warning("Medusa drafting failed (%s); the round runs target-only", error)
+            return
+        for i, proposal in zip(rows, proposals):
+            out[i] = LocalProposal(*proposal)
 
     def _in_vocabulary(self, proposal: Proposal) -> LocalProposal:
         """The proposal up to its first position that reaches past the target's vocabulary (a

@@ -125,7 +125,7 @@ def row_label(method: str, k: int, adaptive: bool = False, pipeline: bool = Fals
     return method
 
 
-SPECULATIVE = ("draft_model", "early_exit", "ngram")
+SPECULATIVE = ("draft_model", "early_exit", "ngram", "medusa")
 ADAPTIVE_MIN_PROBABILITY = 0.0
 
 
@@ -561,7 +561,8 @@ def start_stack(args, with_ports: bool = False):
                "--max-speculating-requests", getattr(args, "max_speculating_requests", "auto"),
                *(["--draft-service"] if draft_service else []),
                *(["--copy-min-ngram", str(args.copy_min_ngram)] if getattr(args, "copy_min_ngram", None) is not None
-                 else [])]  # fmt: skip
+                 else []),
+               *(["--medusa", args.medusa] if getattr(args, "medusa", None) is not None else [])]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{ports['gateway']}"
     deadline = time.monotonic() + 300
@@ -604,6 +605,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--url", help="a running gateway (its base URL); none: start the stack on --target/--draft")
     parser.add_argument("--target", default=str(DEMO_TARGET), help="target model of a stack the bench starts")
     parser.add_argument("--draft", default=str(DEMO_DRAFT), help="draft model of a stack the bench starts")
+    parser.add_argument("--medusa", default=None,
+                        help="a stack the bench starts: `specserve up --medusa` (default: the demo's heads with the demo target)")  # fmt: skip
     parser.add_argument("--copy-min-ngram", type=int, default=None,
                         help="a stack the bench starts: `specserve up --copy-min-ngram` (default: the services')")  # fmt: skip
     parser.add_argument("--device", default="auto", help="device of a stack the bench starts")
