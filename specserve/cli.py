@@ -130,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="a model's drafts start with a copy of the context where its last tokens repeat a span this long "
         "or longer, while such copies hold the target's tokens at least as often as the model's drafts "
-        "(0: never; the services' default: 2)",
+        "(0: never, nor in Medusa rounds; the services' default: 2)",
     )
     up_parser.add_argument("--startup-timeout", type=float, default=300, help="seconds to wait for readiness")
     _add_request_defaults(up_parser)
@@ -189,7 +189,7 @@ def _service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     if not args.draft_service:
         return {"verify": [*verify, "--draft-model", args.draft, "--early-exit-layers", str(EARLY_EXIT_LAYERS), *copy]}
     return {
-        "verify": verify,
+        "verify": [*verify, *copy],
         "draft": [*python, "draft_service", "--model", args.draft, "--port", str(args.draft_port), "--device", args.device,
                   "--metrics-port", str(args.draft_metrics_port), "--early-exit-model", args.target,
                   "--early-exit-layers", str(EARLY_EXIT_LAYERS), *copy,

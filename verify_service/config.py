@@ -50,7 +50,8 @@ class VerifyConfig(ServiceOptions):
         2,
         "a colocated model's drafts start with a copy of what followed where the sequence's last copy_min_ngram "
         "(or more) tokens occurred before, while such copies hold the target's tokens at least as often as "
-        "the model's drafts, and the model drafts the rest (0: never copy)",
+        "the model's drafts, and the model drafts the rest (0: never copy; Medusa rounds copy after any "
+        "repeated token unless 0)",
     )
     support_size: int = field(32, "colocated draft tokens are drawn from the draft's top support_size tokens")
     max_workers: int = field(

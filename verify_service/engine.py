@@ -349,10 +349,10 @@ class Verifier:
 
     def _commit(self, row: _Row, num_accepted: int, next_token: int) -> Outcome:
         kept = row.drafts if row.path is None else keep_path(self.backend, row)
-        hidden = row.session.sequence.hidden  # the rows of the logits the forward gave
-        last = num_accepted if row.path is None else ([0, *row.path][num_accepted])
-        row.session.hidden = hidden[last] if hidden is not None and last < hidden.shape[0] else None
         num_accepted, next_token = self._stop_at_end_of_sequence(kept, num_accepted, next_token)
+        hidden = row.session.sequence.hidden  # of the rows whose logits the forward gave
+        last = num_accepted if row.path is None else [0, *row.path][num_accepted]  # the next token's
+        row.session.hidden = hidden[last].clone() if hidden is not None and last < hidden.shape[0] else None
         session = row.session
         accepted = tuple(kept[:num_accepted])
         session.tokens.extend(accepted)

@@ -38,7 +38,8 @@ class MedusaDrafting:
         self.num_heads = heads.config.num_heads
         weight = torch.cat([head.weight for head in heads.heads]).detach()  # [heads * hidden, hidden]
         bias = torch.cat([head.bias for head in heads.heads]).detach()
-        self.heads = Linear(weight.to(lm_head.dtype), bias.to(lm_head.dtype), row_invariant=False)
+        weight, bias = (tensor.to(device=lm_head.device, dtype=lm_head.dtype) for tensor in (weight, bias))
+        self.heads = Linear(weight, bias)  # row-independent, as the LM head: a row's drafts are its own
         self.lm_head = lm_head
         self.ngram_max = ngram_max
         self.copy = copy
