@@ -126,6 +126,7 @@ def row_label(method: str, k: int, adaptive: bool = False, pipeline: bool = Fals
 
 
 SPECULATIVE = ("draft_model", "early_exit", "ngram", "medusa")
+TREE_METHODS = ("draft_model", "early_exit", "medusa")  # the methods that draft token trees
 ADAPTIVE_MIN_PROBABILITY = 0.0
 
 
@@ -294,11 +295,12 @@ def plan_rows(args) -> list[Row]:
                                     min_draft_probability=args.adaptive_min_probability))  # fmt: skip
                 if args.pipeline:
                     rows += [Row(workload, temperature, clients, "draft_model", k, pipeline=True) for k in args.k]
-                for tree in args.tree:
+                tree_methods = [m for m in args.methods if m in TREE_METHODS] or ["draft_model"]
+                for tree, method in ((tree, method) for tree in args.tree for method in tree_methods):
                     size = len(TreeShape.parse(tree))
-                    rows.append(Row(workload, temperature, clients, "draft_model", size, tree=tree))
+                    rows.append(Row(workload, temperature, clients, method, size, tree=tree))
                     if args.adaptive:
-                        rows.append(Row(workload, temperature, clients, "draft_model", max(args.k), adaptive=True,
+                        rows.append(Row(workload, temperature, clients, method, max(args.k), adaptive=True,
                                         tree=tree))  # fmt: skip
                 if clients == 1 and args.transformers:
                     rows += [Row(workload, temperature, 1, "hf_target", dtype=dtype) for dtype in args.hf_dtypes]
@@ -632,8 +634,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the adaptive row's min_draft_probability: drafting stops below it")  # fmt: skip
     parser.add_argument("--pipeline", action="store_true", help="add pipelined draft_model rows for each K")
     parser.add_argument("--tree", nargs="+", default=[], metavar="SHAPE",
-                        help="add a draft_model row per token tree (children per depth '2,1,1' or paths "
-                             "'[[0],[0,0],[1]]'), and an adaptive one with --adaptive")  # fmt: skip
+                        help="add a row per token tree (children per depth '2,1,1' or paths '[[0],[0,0],[1]]') "
+                             "for each of --methods that drafts trees (else draft_model), and an adaptive one "
+                             "with --adaptive")  # fmt: skip
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="clients at once")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")
