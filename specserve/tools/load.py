@@ -62,8 +62,9 @@ def stream(client: httpx.Client, url: str, body: dict, cancel_after: int | None)
 
 
 def client_loop(
-    url: str, prompts: list[str], references: dict, stop_at: float, seed: int, tally: Tally, max_tokens: int
-) -> None:
+    url: str, prompts: list[str], references: dict, stop_at: float, seed: int, tally: Tally, max_tokens: int,
+    methods: tuple[str, ...] = ("draft_model", "draft_model", "ngram", "none"),
+) -> None:  # fmt: skip
     rng = random.Random(seed)
     with httpx.Client(timeout=120) as client:
         while time.monotonic() < stop_at:
@@ -71,7 +72,7 @@ def client_loop(
             greedy = rng.random() < 0.5
             body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0 if greedy else rng.choice([0.7, 1.0]),
                     "seed": rng.randrange(2**31),
-                    "speculation": {"method": rng.choice(["draft_model", "draft_model", "ngram", "none"]),
+                    "speculation": {"method": rng.choice(methods),
                                     "num_speculative_tokens": rng.choice([1, 2, 4, 6])}}  # fmt: skip
             cancel_after = rng.randrange(1, max_tokens) if rng.random() < 0.1 else None
             started = time.monotonic()
@@ -87,6 +88,12 @@ def client_loop(
             tally.add(completed=1, tokens=len(tokens), latency=time.monotonic() - started)
             if greedy:
                 tally.add(greedy_checked=1, greedy_mismatches=int(tokens != references[prompt]))
+
+
+def served_medusa(client: httpx.Client, url: str, prompt: str) -> tuple[str, ...]:
+    """("medusa",) where the stack serves Medusa heads (the demo target's), else ()."""
+    body = {"prompt": prompt, "max_tokens": 1, "speculation": {"method": "medusa"}}
+    return ("medusa",) if client.post(f"{url}/v1/completions", json=body).status_code == 200 else ()
 
 
 def kill_draft(draft_port: int) -> int | None:
@@ -134,9 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         with httpx.Client(timeout=300) as client:
             references = {p: stream(client, url, {"prompt": p, "max_tokens": args.max_tokens, "temperature": 0,
                                                   "speculation": {"method": "none"}}, None)[0] for p in prompts}  # fmt: skip
+            methods = ("draft_model", "draft_model", "ngram", "none", *served_medusa(client, url, prompts[0]))
         tally = Tally()
         stop_at = time.monotonic() + args.duration
-        threads = [threading.Thread(target=client_loop, args=(url, prompts, references, stop_at, i, tally, args.max_tokens))
+        threads = [threading.Thread(target=client_loop,
+                                    args=(url, prompts, references, stop_at, i, tally, args.max_tokens, methods))
                    for i in range(args.clients)]  # fmt: skip
         for thread in threads:
             thread.start()
@@ -152,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         process.wait(timeout=60)
     latencies = sorted(tally.latencies)
     report = {
-        "clients": args.clients, "duration_s": args.duration, "draft_killed_pid": killed,
+        "clients": args.clients, "duration_s": args.duration, "methods": sorted(set(methods)), "draft_killed_pid": killed,
         "requests": tally.requests, "completed": tally.completed, "cancelled": tally.cancelled,
         "failed": len(tally.errors), "errors": tally.errors[:20], "tokens": tally.tokens,
         "tokens_per_s": tally.tokens / args.duration,
