@@ -28,7 +28,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self._drafter = drafter
         self._batcher = batcher
         self._metrics = metrics
-        self._info = model_info(loaded, config.max_speculative_tokens, (*drafter.models, "ngram"))
+        self._info = model_info(loaded, config.max_speculative_tokens, (*drafter.models, "ngram", "suffix"))
 
     def Draft(self, request_iterator: Iterator[draft_pb2.DraftRequest], context) -> Iterator[draft_pb2.DraftResponse]:
         session = None
@@ -36,7 +36,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             for request in request_iterator:
                 started = time.perf_counter()
                 if session is None:
-                    session = self._drafter.open_session(request.session_id, request.method)
+                    session = self._drafter.open_session(
+                        request.session_id, request.method, request.tenant, request.isolated
+                    )
                 proposal = self._propose(session, request)
                 yield draft_pb2.DraftResponse(
                     num_verified=proposal.num_verified,

@@ -51,7 +51,7 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 class Speculation(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["draft_model", "early_exit", "ngram", "medusa", "none"] | None = None
+    method: Literal["draft_model", "early_exit", "ngram", "suffix", "medusa", "none"] | None = None
     num_speculative_tokens: int | None = None
     adaptive: bool | None = None
     min_draft_probability: float | None = None
@@ -264,6 +264,7 @@ def plan_for(
     prompt_token_ids: list[int],
     served: ServedModel,
     defaults: GatewayConfig,
+    tenant: str = "",
 ) -> GenerationPlan:
     check_unsupported(request)
     max_tokens = _checked_lengths(request, prompt_token_ids, served)
@@ -308,6 +309,8 @@ def plan_for(
         pipeline=defaults.pipeline if speculation.pipeline is None else speculation.pipeline,
         yields_to_load=not seeded_sampled,
         tree=tree,
+        tenant=tenant,
+        isolated=seeded_sampled,
     )
 
 

@@ -65,8 +65,8 @@ class Gateway:
         limit = self.config.max_speculating_requests
         return limit > 0 and self.in_flight > limit
 
-    def plan(self, request, prompt_token_ids: list[int]) -> GenerationPlan:
-        return plan_for(request, prompt_token_ids, self.served, self.config)
+    def plan(self, request, prompt_token_ids: list[int], tenant: str = "") -> GenerationPlan:
+        return plan_for(request, prompt_token_ids, self.served, self.config, tenant)
 
     def completion_prompt(self, request: CompletionRequest, tokenizer) -> list[int]:
         prompt = request.prompt
@@ -248,10 +248,12 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def completions(request: CompletionRequest, http: Request):
         check_model(request.model, gateway.served)
         prompt = await gateway.off_loop(gateway.completion_prompt, request)
-        return await respond(gateway, request, gateway.plan(request, prompt), chat=False, http=http)
+        plan = gateway.plan(request, prompt, http.scope["state"].get("tenant", ""))
+        return await respond(gateway, request, plan, chat=False, http=http)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, http: Request):
         check_model(request.model, gateway.served)
         prompt = await gateway.off_loop(gateway.chat_prompt, request)
-        return await respond(gateway, request, gateway.plan(request, prompt), chat=True, http=http)
+        plan = gateway.plan(request, prompt, http.scope["state"].get("tenant", ""))
+        return await respond(gateway, request, plan, chat=True, http=http)

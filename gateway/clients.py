@@ -91,7 +91,7 @@ def check_pair(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | None,
         )
 
 
-REMOTE_METHODS = frozenset({"draft_model", "early_exit", "ngram"})
+REMOTE_METHODS = frozenset({"draft_model", "early_exit", "ngram", "suffix"})
 
 
 def served_model(
@@ -188,9 +188,16 @@ class DraftStream:
     """One session's draft stream: sends only the tokens verified since the last request."""
 
     def __init__(
-        self, backends: Backends, session_id: str, method: str = "draft_model", min_draft_probability: float = 0.0
+        self,
+        backends: Backends,
+        session_id: str,
+        method: str = "draft_model",
+        min_draft_probability: float = 0.0,
+        tenant: str = "",
+        isolated: bool = False,
     ):
         self._backends = backends
+        self._tenant, self._isolated = tenant, isolated
         self._session_id = session_id
         self._route = Route(backends.drafters, session_id)
         self._method = method
@@ -234,6 +241,8 @@ class DraftStream:
             min_draft_probability=self._min_draft_probability,
             want_bonus_guess=want_bonus_guess,
             tree=tree.to_proto() if tree is not None else None,
+            tenant=self._tenant,
+            isolated=self._isolated,
         )
         self.last_request_bytes = request.ByteSize()
         timeout_s = self._backends.deadlines.draft_timeout_s

@@ -9,7 +9,7 @@ from specserve.paths import DEMO_TARGET
 from specserve.serving.tls import channel_credentials, channel_options
 from specserve.trees import TreeShape, TreeShapeError
 
-METHODS = ("draft_model", "early_exit", "ngram", "medusa", "none")
+METHODS = ("draft_model", "early_exit", "ngram", "suffix", "medusa", "none")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class GatewayConfig(TracingOptions):
     served_model_name: str = field("", "model name clients send; default: the verify service's")
     num_speculative_tokens: int = field(4, "K used when a request does not set speculation.num_speculative_tokens")
     method: str = field(
-        "draft_model", "speculation method when a request sets none: draft_model, early_exit, ngram, medusa or none"
+        "draft_model",
+        "speculation method when a request sets none: draft_model, early_exit, ngram, suffix, medusa or none",
     )
     adaptive: bool = field(
         True,

@@ -115,7 +115,11 @@ class _Session:
         self.sequence = list(plan.prompt_token_ids)
         self.route = Route(backends.verifiers, session_id)  # the verifier replica that holds it
         remote = plan.method != "none" and not plan.local
-        self.drafter = DraftStream(backends, session_id, plan.method, plan.min_draft_probability) if remote else None
+        self.drafter = (
+            DraftStream(backends, session_id, plan.method, plan.min_draft_probability, plan.tenant, plan.isolated)
+            if remote
+            else None
+        )
         self.chooser = KChooser(plan.speculation, backends.shared) if remote else None
         self.drafted_rounds = 0
         self.last_k = 0  # the K of the round before

@@ -4,6 +4,7 @@ object with the status it means (docs/design.md, "Failures"), never an unanswere
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import uuid
@@ -95,9 +96,14 @@ class Guard:
             self.gateway.in_flight -= 1
 
     def _authorised(self, scope) -> bool:
+        """Whether the request bears a valid key; its tenant (what method suffix may share
+        across requests) is then a hash of the key."""
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, key = header.partition(b" ")
-        return scheme.lower() == b"bearer" and any(hmac.compare_digest(key, k) for k in self.keys)
+        valid = scheme.lower() == b"bearer" and any(hmac.compare_digest(key, k) for k in self.keys)
+        if valid:
+            scope["state"]["tenant"] = hashlib.sha256(key).hexdigest()[:32]
+        return valid
 
 
 async def _read_body(receive, limit: int) -> bytes | None:

@@ -17,7 +17,7 @@ class GenerationPlan:
     prompt_token_ids: list[int]
     max_tokens: int
     sampling: SamplingParams
-    method: str  # draft_model | early_exit | ngram | none
+    method: str  # draft_model | early_exit | ngram | suffix | medusa | none
     num_speculative_tokens: int  # K, where an adaptive choice starts
     adaptive: bool = False  # K per round from the session's measured costs (specserve.speculation)
     min_draft_probability: float = 0.0
@@ -26,6 +26,8 @@ class GenerationPlan:
     yields_to_load: bool = True  # decodes target-only while crowded() (a seeded sampled request does not)
     local: bool = False  # the verifier drafts for this method itself: all rounds in one Decode stream
     tree: TreeShape | None = None  # each round a token tree of this shape (adaptive: where it pays)
+    tenant: str = ""  # who the request is for (a hash of its API key): what method suffix may share
+    isolated: bool = False  # method suffix learns from no other request (a seeded sampled one)
 
     @property
     def speculation(self) -> Speculation | None:
@@ -38,6 +40,8 @@ class GenerationPlan:
             self.k_bounds,
             self.min_draft_probability,
             self.tree,
+            self.tenant,
+            self.isolated,
         )
 
 

@@ -89,3 +89,12 @@ class CopyScore:
             self.model.add(drafts[i] == truth[i])
             if i < len(copy):
                 self.copy.add(copy[i] == truth[i])
+
+
+def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
+    """The length of a's and b's common prefix, known to be at least start."""
+    n = min(len(a), len(b))
+    for i in range(start, n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -4,19 +4,20 @@ The draft service runs it for the gateway's rounds; the verifier runs one of its
 requests it drafts for itself (colocated drafting, no round trip per round).
 
 Methods: "draft_model" (a small model of its own), "early_exit" (the target's first layers,
-final norm and LM head) and "ngram" (no model: copy what followed the latest earlier
-occurrence of the sequence's longest repeated suffix). For the model methods q_i is the
-processed distribution (the request's temperature, top-k and top-p applied to the draft
-logits) truncated to the support_size most likely tokens and renormalised (docs/design.md,
-invariant 2); an n-gram draft is deterministic, so its q_i is one-hot. Greedy requests get
-no distributions. Drafting stops early, for the model methods, once the draft's most likely
-next token falls below min_draft_probability (adaptive length).
+final norm and LM head), and two without a model: "ngram" (copy what followed the latest
+earlier occurrence of the sequence's longest repeated suffix) and "suffix" (follow the
+counts of what followed the sequence's end, in the session and in its tenant's finished
+sessions: specserve/suffix.py). For the model methods q_i is the processed distribution
+(temperature, top-k, top-p) truncated to the support_size likeliest tokens and
+renormalised (docs/design.md, invariant 2); the others' drafts are deterministic, so their
+q_i is one-hot. Greedy requests get no distributions. A model stops drafting early once its
+likeliest next token falls below min_draft_probability (adaptive length).
 
-A model's chain of drafts starts with a copy where the context repeats: when the sequence's
-last copy_min_ngram (0: never) or more tokens occurred before, and such copies have held the
-target's tokens at least as often as the model's drafts in the session, the first drafts are
-what followed them (one-hot, as ngram's), read by the model in its catch-up's forward, and
-the model drafts the rest of K (docs/design.md, "A copy before the draft").
+A model's chain starts with a copy where the context repeats: when the sequence's last
+copy_min_ngram (0: never) or more tokens occurred before, and such copies have held the
+target's tokens at least as often as the model's drafts in the session, the first drafts
+are what followed them (one-hot), read in the model's catch-up forward, and the model
+drafts the rest of K (docs/design.md, "A copy before the draft").
 """
 
 from __future__ import annotations
@@ -28,19 +29,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.context_lookup import CopyScore, ngram_drafts, one_hot
+from specserve.context_lookup import CopyScore, common_prefix, ngram_drafts, one_hot
 from specserve.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted, require
 from specserve.model.backends import Backend, ForwardRow, KVSequence, forward_in_budget
 from specserve.model.loading import LoadedModel
 from specserve.protocol import SparseDistribution, check_token_ids
 from specserve.sampling import SamplingParams, processed_probs, sample_sparse, truncate_to_support
 from specserve.serving.metrics import ServiceMetrics
+from specserve.suffix import SuffixSession, SuffixStore
 from specserve.tree_drafting import draft_trees
 from specserve.trees import TreeShape
 
 log = logging.getLogger(__name__)
 
-METHODS = ("draft_model", "early_exit", "ngram")
+METHODS = ("draft_model", "early_exit", "ngram", "suffix")
+MODEL_FREE = ("ngram", "suffix")  # methods that need no model, always served
 
 # A catch-up of at most this many tokens per row runs as one step of token rows (the accepted
 # drafts the cache lacks and the round's last token, usually); a new session's prompt in chunks.
@@ -82,10 +85,11 @@ class DraftSession:
 
     session_id: str
     method: str
-    sequence: KVSequence | None  # None for ngram: there is no cache
+    sequence: KVSequence | None  # None for ngram and suffix: there is no cache
     verified: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the cache
     copy_score: CopyScore = field(default_factory=CopyScore)  # whether its drafts start with a copy
+    suffix: SuffixSession | None = None  # method suffix's counts (specserve/suffix.py)
 
 
 @dataclass(frozen=True)
@@ -141,21 +145,26 @@ class Drafter:
         self.metrics = metrics
         self._sessions = 0
         self._lock = threading.Lock()  # open and close come from stream threads
+        self.suffix = SuffixStore()  # method suffix's table shared across sessions, per tenant
 
-    def open_session(self, session_id: str, method: str) -> DraftSession:
+    def open_session(self, session_id: str, method: str, tenant: str = "", isolated: bool = False) -> DraftSession:
+        """Method suffix learns from the finished sessions of the same tenant (none: isolated)."""
         method = method or "draft_model"
         require(method in METHODS, f"method must be one of {', '.join(METHODS)}, got {method!r}")
-        if method != "ngram" and method not in self.models:
+        if method not in MODEL_FREE and method not in self.models:
             raise InvalidArgument(f"{method} is not served here (start the draft service with --early-exit-model)")
         with self._lock:
             if self._sessions >= self.options.max_sessions:
                 raise ResourceExhausted(f"the drafter holds its maximum of {self.options.max_sessions} sessions")
-            sequence = None if method == "ngram" else self.models[method].backend.open(reclaim=False)
+            sequence = None if method in MODEL_FREE else self.models[method].backend.open(reclaim=False)
             self._sessions += 1
             self._observe_sessions()
-        return DraftSession(session_id, method, sequence)
+        suffix = SuffixSession(tenant, shared=not isolated) if method == "suffix" else None
+        return DraftSession(session_id, method, sequence, suffix=suffix)
 
     def close_session(self, session: DraftSession) -> None:
+        if session.suffix is not None:
+            self.suffix.finish(session.suffix, session.verified)
         with self._lock:
             if session.sequence is not None:
                 self.models[session.method].backend.close(session.sequence)
@@ -209,9 +218,9 @@ class Drafter:
         return results  # type: ignore[return-value]
 
     def _run_group(self, method: str, batch: list[_Drafting]) -> None:
-        if method == "ngram":
+        if method in MODEL_FREE:
             for d in batch:
-                self._ngram(d)
+                self._model_free(d)
             return
         backend = self.models[method].backend
         try:
@@ -237,7 +246,7 @@ class Drafter:
         room = context - len(verified) - (1 if job.want_bonus_guess else 0)
         d = _Drafting(job, verified, max(0, min(job.num_speculative_tokens, room)), start=start)
         copy_n = self.options.copy_min_ngram
-        if copy_n and job.session.method != "ngram" and job.tree is None:
+        if copy_n and job.session.method not in MODEL_FREE and job.tree is None:
             job.session.copy_score.judge(verified)
             d.offered = ngram_drafts(verified, d.k, self.options.ngram_max, min_n=copy_n)
             d.copied = list(d.offered) if job.session.copy_score.prefers_copy() else []
@@ -256,8 +265,11 @@ class Drafter:
             return vocab, context
         return min(vocab, model.vocab_size), min(context, model.max_context_length)
 
-    def _ngram(self, d: _Drafting) -> None:
-        d.drafts = ngram_drafts(d.verified, d.k, self.options.ngram_max)
+    def _model_free(self, d: _Drafting) -> None:
+        if d.job.session.suffix is not None:
+            d.drafts = self.suffix.drafts(d.job.session.suffix, d.verified, d.start, d.k)
+        else:
+            d.drafts = ngram_drafts(d.verified, d.k, self.options.ngram_max)
         if not d.job.sampling.is_greedy:
             d.distributions = one_hot(d.drafts)
 
@@ -334,7 +346,7 @@ class Drafter:
         start."""
         session, verified = d.job.session, d.verified
         cached = session.cached_tokens
-        keep = min(_common_prefix(cached, verified, min(d.start, len(cached))), len(verified) - 1)
+        keep = min(common_prefix(cached, verified, min(d.start, len(cached))), len(verified) - 1)
         session.sequence.truncate(keep)
         del cached[keep:]
         feed = verified[keep:] + d.copied
@@ -355,7 +367,9 @@ class Drafter:
         )
         require(0 <= job.min_draft_probability <= 1, "min_draft_probability must lie in [0, 1]")
         if job.tree is not None:
-            require(job.session.method != "ngram", "ngram drafts chains: token trees need a draft model")
+            require(
+                job.session.method not in MODEL_FREE, f"{job.session.method} drafts chains: token trees need a model"
+            )
             require(
                 self.models[job.session.method].backend.supports_trees,
                 "token trees need the runner backend (this draft is served by transformers)",
@@ -384,12 +398,3 @@ def _top_probability(logits: torch.Tensor, sampling: SamplingParams) -> float:
     if sampling.is_greedy:
         return float(torch.softmax(logits.float(), -1).max())
     return float(processed_probs(logits[None], sampling)[0].max())
-
-
-def _common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
-    """The length of a's and b's common prefix, known to be at least start."""
-    n = min(len(a), len(b))
-    for i in range(start, n):
-        if a[i] != b[i]:
-            return i
-    return n

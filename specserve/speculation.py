@@ -9,9 +9,8 @@ second, so that speculation does not make a session slower than the target alone
 costs are RoundCosts, running estimates shared by every session in one process (a cost
 belongs to the models and the machine, and a short request must not start blind); how often
 each draft position is accepted is the session's own (it belongs to the text), starting from
-its method's running average across sessions. A session that stopped
-drafting tries a round of drafts again after a stretch of target-only tokens that doubles
-while drafts keep not paying.
+its method's running average across sessions. A session that stopped drafting tries again
+after a stretch of target-only tokens that doubles while drafts keep not paying.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ from specserve.errors import InvalidArgument, require
 from specserve.trees import TreeShape, TreeShapeError
 from specserve.v1 import verify_pb2
 
-# medusa: the target's own Medusa heads, served by a verifier that loaded them (--medusa).
-METHODS = ("draft_model", "early_exit", "ngram", "medusa")
+METHODS = ("draft_model", "early_exit", "ngram", "suffix", "medusa")  # medusa: a verifier's with --medusa
 
 
 @dataclass(frozen=True)
@@ -37,13 +35,13 @@ class Speculation:
     k_bounds: tuple[int, int] = (0, 8)  # the adaptive choice's range; 0: it may stop drafting
     min_draft_probability: float = 0.0
     tree: TreeShape | None = None  # each round a token tree of this shape; None: chains
+    tenant: str = ""  # method suffix learns from the same tenant's sessions, or from none if isolated
+    isolated: bool = False  # (a seeded sampled request: its output must not depend on other requests)
 
     def __post_init__(self) -> None:
         require(self.method in METHODS, f"speculation method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        require(
-            self.tree is None or self.method != "ngram",
-            "token trees are drafted by a model (draft_model, early_exit, medusa); ngram drafts chains",
-        )
+        chains_only = f"token trees are drafted by draft_model, early_exit or medusa; {self.method} drafts chains"
+        require(self.tree is None or self.method not in ("ngram", "suffix"), chains_only)
         require(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1")
         low, high = self.k_bounds
         require(
@@ -61,6 +59,8 @@ class Speculation:
             k_bounds=(message.adaptive_k_min, message.adaptive_k_max or message.num_speculative_tokens),
             min_draft_probability=message.min_draft_probability,
             tree=tree_of(message.tree),
+            tenant=message.tenant,
+            isolated=message.isolated,
         )
 
     def to_proto(self) -> verify_pb2.Speculation:
@@ -72,6 +72,8 @@ class Speculation:
             adaptive_k_max=self.k_bounds[1],
             min_draft_probability=self.min_draft_probability,
             tree=self.tree.to_proto() if self.tree is not None else None,
+            tenant=self.tenant,
+            isolated=self.isolated,
         )
 
 
@@ -83,24 +85,23 @@ def tree_of(message) -> TreeShape | None:
         raise InvalidArgument(str(error)) from None
 
 
-# Running estimates forget at these rates per observation: costs change with the load,
-# acceptance from one stretch of a text to the next (boilerplate, then a new idea).
+# Running estimates forget at these rates per observation: costs change with the load, acceptance
+# from one stretch of a text to the next (boilerplate, then a new idea).
 DECAY, ACCEPTANCE_DECAY = 0.9, 0.95
 # A session's acceptance starts as its method's average worth this many rounds; before any
 # is known, a position is taken to be kept half the time.
 PRIOR_WEIGHT, PRIOR_ACCEPTANCE = 10.0, 0.5
 SMOOTHING = 0.5  # rounds' worth of PRIOR_ACCEPTANCE in every rate: one rejection is not a rate of 0
 # Until two sizes are measured, a size's cost is taken to grow by this share of the cost of
-# size 1 per unit: a verify by about what a CPU's per-token attention costs (less on a GPU);
-# a round's drafting by a draft step, the first of which (a catch-up of the tokens just kept,
-# after the verify has evicted the draft's weights from the caches) costs about twice a later
-# one.
+# size 1 per unit: a verify by about what a CPU's per-token attention costs (less on a GPU); a
+# round's drafting by a draft step, the first of which (a catch-up of the tokens just kept,
+# the draft's weights evicted by the verify) costs about twice a later one.
 PRIOR_SLOPE = {"verify": 0.05, "draft": 0.5}
 # Target-only tokens before drafting is tried again, doubling while drafts do not pay.
 PROBE_STRETCH = (4, 64)
-# A size's weight in the line through the sizes grows with its samples up to this, and fades
-# by this factor with each sample of any size: a size measured only while the process was
-# slower (a compile in the background, another load) does not bend the line for good.
+# A size's weight in the line through the sizes grows with its samples up to this, and fades by
+# this factor with each sample of any size: a size measured only while the process was slower
+# (a compile in the background, another load) does not bend the line for good.
 MAX_POINT_WEIGHT, POINT_WEIGHT_DECAY = 20, 0.98
 
 
@@ -320,11 +321,9 @@ class KChooser:
         starting from the method's, over the tree rounds' measured cost."""
         own, rounds = self.tree_tokens.value, self._tree_rounds
         weight = min(rounds, TREE_PRIOR_WEIGHT * 4)
-        expected = (
-            shared_tokens
-            if own is None
-            else (weight * own + TREE_PRIOR_WEIGHT * shared_tokens) / (weight + TREE_PRIOR_WEIGHT)
-        )
+        if own is None:
+            return self._rate(len(tree), shared_tokens, f"{self.method}/tree")
+        expected = (weight * own + TREE_PRIOR_WEIGHT * shared_tokens) / (weight + TREE_PRIOR_WEIGHT)
         return self._rate(len(tree), expected, f"{self.method}/tree")
 
     def next_k(self, remaining: int) -> int:

@@ -266,3 +266,25 @@ def test_a_client_that_leaves_a_speculative_stream_frees_both_caches(colocated):
     while any(metric(verify_metrics, name) > 0 for name in names) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [metric(verify_metrics, name) for name in names] == [0, 0]
+
+
+def test_suffix_learns_across_the_requests_of_one_api_key_and_never_of_another(guarded):
+    """The same prompt again drafts the target's earlier answer, for the key that asked it
+    before; another key's request finds nothing of it (its tokens are not shared)."""
+    stack, _ = guarded
+    speculation = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}
+
+    def accepted(key: str, prompt: list[int]) -> tuple[list[int], int]:
+        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "return_token_ids": True,
+                "speculation": speculation}  # fmt: skip
+        reply = httpx.post(f"{stack.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                           timeout=120).json()  # fmt: skip
+        return reply["choices"][0]["token_ids"], reply["usage"]["speculation"]["num_accepted_tokens"]
+
+    prompt = [31, 41, 59, 26, 53]
+    first, kept_first = accepted(KEY, prompt)
+    again, kept_again = accepted(KEY, prompt)
+    other, kept_other = accepted("other-key", prompt)
+    assert first == again == other
+    assert kept_again > kept_first and kept_again >= 30  # the first answer, drafted again
+    assert kept_other == kept_first  # as the first request: nothing of the other key's answers

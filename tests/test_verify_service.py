@@ -32,7 +32,7 @@ def draft(split_stack):
 
 @pytest.fixture(scope="module")
 def split_verify(split_stack):
-    """The verifier beside a draft service (it drafts only with n-gram and Medusa heads itself)."""
+    """The verifier beside a draft service (it drafts only with n-gram, suffix and Medusa heads itself)."""
     with grpc.insecure_channel(split_stack.verify_address) as channel:
         yield verify_pb2_grpc.VerifyServiceStub(channel)
 
@@ -181,12 +181,13 @@ def test_model_info_of_both_services_agree(verify, split_verify, draft):
     assert target_info.vocab_size == 257 and target_info.max_context_length == 512
     assert target_info.tokenizer_fingerprint == draft_info.tokenizer_fingerprint
     assert list(target_info.eos_token_ids) == [256]
-    # The default stack's verifier drafts with the draft model, early exit, n-gram and the
-    # target's Medusa heads; one beside a draft service with n-gram (it needs no model) and
-    # the heads (they need the target's hidden state).
-    assert sorted(target_info.local_methods) == ["draft_model", "early_exit", "medusa", "ngram"]
-    assert sorted(split_verify.GetModelInfo(common_pb2.ModelInfoRequest()).local_methods) == ["medusa", "ngram"]
-    assert sorted(draft_info.local_methods) == ["draft_model", "early_exit", "ngram"]  # the draft service's own
+    # The default stack's verifier drafts with the draft model, early exit, n-gram, suffix and
+    # the target's Medusa heads; one beside a draft service with n-gram and suffix (they need no
+    # model) and the heads (they need the target's hidden state).
+    assert sorted(target_info.local_methods) == ["draft_model", "early_exit", "medusa", "ngram", "suffix"]
+    split = split_verify.GetModelInfo(common_pb2.ModelInfoRequest())
+    assert sorted(split.local_methods) == ["medusa", "ngram", "suffix"]
+    assert sorted(draft_info.local_methods) == ["draft_model", "early_exit", "ngram", "suffix"]  # the draft service's
 
 
 def decode(verify, session_id: str, num_verified: int, max_tokens: int, sampling=None) -> list:

@@ -193,7 +193,7 @@ class Verifier:
         if session is not None:
             self.backend.close(session.sequence)
             if self.local is not None:
-                self.local.close(session.drafts)
+                self.local.close(session.drafts, session.tokens)
         if self.metrics is not None:
             self.metrics.active_sessions.set(len(self.sessions))
             self.metrics.kv_slots_in_use.set(self.backend.in_use)
@@ -274,7 +274,7 @@ class Verifier:
         if existing is not None:  # a restart of the session reuses its cache slot
             existing.sequence.truncate(0)
             if self.local is not None:
-                self.local.close(existing.drafts)
+                self.local.close(existing.drafts, existing.tokens)
                 existing.drafts = None
             sequence, is_new = existing.sequence, False
         else:

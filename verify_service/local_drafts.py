@@ -80,7 +80,7 @@ class LocalDrafting:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        return (*self.drafter.models, "ngram", *(("medusa",) if self.medusa is not None else ()))
+        return (*self.drafter.models, "ngram", "suffix", *(("medusa",) if self.medusa is not None else ()))
 
     def session_drafts(self, current: SessionDrafts | None, speculation: Speculation) -> SessionDrafts:
         """The session's drafting for these settings: the current one, or a new one when the
@@ -89,7 +89,11 @@ class LocalDrafting:
             return current
         medusa = speculation.method == "medusa"
         # raises for a method not served, or when full
-        draft = None if medusa else self.drafter.open_session("", speculation.method)
+        draft = (
+            None
+            if medusa
+            else self.drafter.open_session("", speculation.method, speculation.tenant, speculation.isolated)
+        )
         self.close(current)
         return SessionDrafts(speculation, draft, KChooser(speculation, self.shared, self.max_speculative_tokens))
 
@@ -98,8 +102,12 @@ class LocalDrafting:
         verify_s = (outcome.decided_ns - outcome.batch_started_ns) / 1e9
         self.shared.costs.observe("none", 0, None, verify_s, round_s)
 
-    def close(self, drafts: SessionDrafts | None) -> None:
+    def close(self, drafts: SessionDrafts | None, tokens: list[int] | None = None) -> None:
+        """tokens: the session's whole sequence, its last round's tokens too (method suffix
+        shares them with later requests)."""
         if drafts is not None and drafts.draft is not None:
+            if tokens is not None:
+                drafts.draft.verified = list(tokens)
             self.drafter.close_session(drafts.draft)
 
     def propose(

@@ -32,7 +32,7 @@ import httpx
 from specserve.paths import DEMO_DRAFT, DEMO_TARGET
 from specserve.trees import TreeShape
 
-WORKLOADS = ("code", "edit", "chat", "mixed")
+WORKLOADS = ("code", "edit", "chat", "mixed", "template")
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -40,7 +40,7 @@ WORKLOADS = ("code", "edit", "chat", "mixed")
 
 def workload_prompts(workload: str, count: int) -> list:
     """Prompts of a workload: strings for completions, message lists for chat."""
-    from specserve.tools.workloads import chat_prompts, code_completion_prompts, edit_prompts
+    from specserve.tools.workloads import chat_prompts, code_completion_prompts, edit_prompts, template_prompts
 
     if workload == "code":
         return code_completion_prompts(count)
@@ -48,6 +48,8 @@ def workload_prompts(workload: str, count: int) -> list:
         return edit_prompts(count)
     if workload == "chat":
         return chat_prompts(count)
+    if workload == "template":
+        return template_prompts(count)
     if workload == "mixed":  # the three interleaved: what one server sees from many users
         parts = [workload_prompts(w, -(-count // 3)) for w in ("code", "edit", "chat")]
         return [p for group in zip(*parts) for p in group][:count]
@@ -125,7 +127,7 @@ def row_label(method: str, k: int, adaptive: bool = False, pipeline: bool = Fals
     return method
 
 
-SPECULATIVE = ("draft_model", "early_exit", "ngram", "medusa")
+SPECULATIVE = ("draft_model", "early_exit", "ngram", "suffix", "medusa")
 TREE_METHODS = ("draft_model", "early_exit", "medusa")  # the methods that draft token trees
 ADAPTIVE_MIN_PROBABILITY = 0.0
 

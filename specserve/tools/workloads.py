@@ -90,6 +90,15 @@ def edit_prompts(count: int) -> list[str]:
     return _spread(prompts, count)
 
 
+def template_prompts(count: int, repeats: int = 3) -> list[str]:
+    """An agent-like loop: the same code context sent again and again, each time under
+    another first line (the step's number), as a loop re-sends its tool-call template. The
+    answers repeat across requests, not within one: the first pass over the contexts is new,
+    the later ones are what earlier requests were answered."""
+    contexts = code_completion_prompts(-(-count // repeats), context_lines=16)
+    return [f"# agent step {step + 1}\n{context}" for step in range(repeats) for context in contexts][:count]
+
+
 def chat_prompts(count: int) -> list[list[dict[str, str]]]:
     """Chat requests asking for the body of a held-out function."""
     return [

@@ -78,7 +78,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_verified: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
 
 class Speculation(_message.Message):
-    __slots__ = ("method", "num_speculative_tokens", "adaptive", "adaptive_k_min", "adaptive_k_max", "min_draft_probability", "tree")
+    __slots__ = ("method", "num_speculative_tokens", "adaptive", "adaptive_k_min", "adaptive_k_max", "min_draft_probability", "tree", "tenant", "isolated")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,8 @@ class Speculation(_message.Message):
     ADAPTIVE_K_MAX_FIELD_NUMBER: _ClassVar[int]
     MIN_DRAFT_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ISOLATED_FIELD_NUMBER: _ClassVar[int]
     method: str
     num_speculative_tokens: int
     adaptive: bool
@@ -93,7 +95,9 @@ class Speculation(_message.Message):
     adaptive_k_max: int
     min_draft_probability: float
     tree: _common_pb2.TokenTree
-    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., adaptive_k_min: _Optional[int] = ..., adaptive_k_max: _Optional[int] = ..., min_draft_probability: _Optional[float] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
+    tenant: str
+    isolated: bool
+    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., adaptive_k_min: _Optional[int] = ..., adaptive_k_max: _Optional[int] = ..., min_draft_probability: _Optional[float] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., tenant: _Optional[str] = ..., isolated: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_id", "num_verified", "batch_size", "server_seconds", "forward_seconds", "kernel_seconds", "accepted_token_ids", "num_draft_tokens", "draft_seconds", "tree")
