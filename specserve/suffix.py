@@ -6,7 +6,9 @@ of up to depth tokens, and is simple to bound and evict).
 A session keeps one over its own tokens (prompt and output), and the drafter one over the
 sequences of finished sessions, shared by later requests of the same tenant only: each of
 its contexts is keyed by the tenant, so no lookup can reach another tenant's counts. The
-shared one holds at most max_contexts contexts, the least recently used evicted first.
+shared one holds at most max_contexts contexts, the least recently counted evicted first,
+and each context at most MAX_FOLLOWERS followers (the rarest dropped; its total stays whole,
+so a share is never overestimated).
 
 A round's drafts follow the counts: from the longest context that matches the end of the
 sequence (in either table; the session's own on a tie), the most frequent next token, then
@@ -22,6 +24,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 DEPTH = 8  # longest context counted
+MAX_FOLLOWERS = 16  # followers kept per context: one split further drafts nothing anyway
+TOTAL = -1  # the key of a context's count of every follower, dropped ones included
 
 
 class SuffixCounts:
@@ -44,16 +48,20 @@ class SuffixCounts:
                 key = (tenant, *tokens[i - n : i])
                 counts = table.get(key)
                 if counts is None:
-                    counts = table[key] = {}
+                    counts = table[key] = {TOTAL: 0}
                 elif self.max_contexts is not None:
                     table.move_to_end(key)
                 counts[token] = counts.get(token, 0) + 1
+                counts[TOTAL] += 1
+                if len(counts) > MAX_FOLLOWERS + 1:
+                    del counts[min((t for t in counts if t != TOTAL), key=counts.__getitem__)]
         if self.max_contexts is not None:
             while len(table) > self.max_contexts:
                 table.popitem(last=False)
 
     def longest_match(self, tokens: list[int], tenant: str = "") -> tuple[int, dict[int, int] | None]:
-        """(n, counts) of the longest context of at most depth tokens ending tokens that was seen."""
+        """(n, counts) of the longest context of at most depth tokens ending tokens that was
+        seen; counts[TOTAL] is how often it was."""
         for n in range(min(self.depth, len(tokens)), 0, -1):
             counts = self.table.get((tenant, *tokens[len(tokens) - n :]))
             if counts is not None:
@@ -76,8 +84,8 @@ def suffix_drafts(
                 best_n, best = n, counts
         if best is None:
             break
-        token, count = max(best.items(), key=lambda item: item[1])
-        probability *= count / sum(best.values())
+        token, count = max(((t, c) for t, c in best.items() if t != TOTAL), key=lambda item: item[1])
+        probability *= count / best[TOTAL]
         if probability < min_probability:
             break
         drafts.append(token)
@@ -85,7 +93,10 @@ def suffix_drafts(
     return drafts
 
 
-MAX_SHARED_CONTEXTS = 200_000  # the shared table's bound: contexts, about 450 bytes each (~90 MB)
+# The shared table's bound, in contexts: about 450 bytes each with one follower, 1.3 KB with the
+# most (MAX_FOLLOWERS): 90 MB to 260 MB.
+MAX_SHARED_CONTEXTS = 200_000
+FOLD_TOKENS = 4096  # finished sessions' tokens counted into the shared table per batch at most
 MIN_PROBABILITY = 0.1  # a round's drafts stop where the path's estimated probability falls below this
 
 
@@ -117,13 +128,22 @@ class SuffixStore:
             with self._lock:
                 self._finished.append((session.tenant, tokens[max(0, session.prompt_length - DEPTH) :]))
 
+    def _fold(self) -> None:
+        """Counts finished sessions into the shared table, up to FOLD_TOKENS tokens a batch (a
+        batch of many closes must not stall the drafting thread, which may be the verifier's)."""
+        budget = FOLD_TOKENS
+        while budget > 0:
+            with self._lock:
+                if not self._finished:
+                    return
+                tenant, tokens = self._finished.pop(0)
+            self.shared.add(tokens, tenant=tenant)
+            budget -= len(tokens)
+
     def drafts(self, session: SuffixSession, verified: list[int], start: int, k: int) -> list[int]:
         """Up to k drafts after verified, whose tokens from start on are new to the session
         (a start before what it counted rewinds: its table is counted again)."""
-        with self._lock:
-            finished, self._finished = self._finished, []
-        for tenant, tokens in finished:
-            self.shared.add(tokens, tenant=tenant)
+        self._fold()
         if session.prompt_length < 0:
             session.prompt_length = len(verified)
         if start < session.counted:

@@ -11,7 +11,7 @@ import httpx
 
 from specserve.drafting import Drafter, DraftJob, DraftOptions
 from specserve.sampling import SamplingParams
-from specserve.suffix import SuffixCounts, SuffixSession, SuffixStore, suffix_drafts
+from specserve.suffix import MAX_FOLLOWERS, TOTAL, SuffixCounts, SuffixSession, SuffixStore, suffix_drafts
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -19,8 +19,8 @@ GREEDY = SamplingParams(temperature=0.0)
 def test_counts_follow_every_context_up_to_the_depth_and_the_longest_match_wins():
     table = SuffixCounts(depth=3)
     table.add([1, 2, 3, 1, 2, 4, 1, 2, 3])
-    assert table.longest_match([9, 1, 2]) == (2, {3: 2, 4: 1})  # [1, 2] was followed by 3 twice, 4 once
-    assert table.longest_match([3, 1, 2]) == (3, {4: 1})  # [3, 1, 2]: by 4
+    assert table.longest_match([9, 1, 2]) == (2, {TOTAL: 3, 3: 2, 4: 1})  # [1, 2] was followed by 3 twice, 4 once
+    assert table.longest_match([3, 1, 2]) == (3, {TOTAL: 1, 4: 1})  # [3, 1, 2]: by 4
     assert table.longest_match([7, 8]) == (0, None)
     # The drafts follow the likeliest token while the path's share stays above the floor.
     # [1, 2] -> 3 (2 of 3), then [1, 2, 3] -> 1, [2, 3, 1] -> 2, [3, 1, 2] -> 4 (each 1 of 1).
@@ -34,6 +34,13 @@ def test_counts_follow_every_context_up_to_the_depth_and_the_longest_match_wins(
     stepwise.add(tokens[:5], start=4)
     stepwise.add(tokens, start=5)
     assert dict(stepwise.table) == dict(table.table)
+    # A context keeps its MAX_FOLLOWERS likeliest followers; its total counts every one.
+    split = SuffixCounts(depth=1)
+    split.add([t for follower in range(100, 100 + MAX_FOLLOWERS + 4) for t in (7, follower, 7, 100)])
+    n, counts = split.longest_match([7])
+    assert len(counts) == MAX_FOLLOWERS + 1 and counts[100] == MAX_FOLLOWERS + 4 + 1
+    assert counts[TOTAL] == 2 * (MAX_FOLLOWERS + 4)
+    assert suffix_drafts([(split, "")], [7], 1, 0.0) == [100]  # its share: 21 of 40, not of the kept ones
 
 
 def test_a_session_learns_from_its_tenants_finished_sessions_and_never_from_anothers():

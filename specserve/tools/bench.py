@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -64,13 +65,14 @@ class Row:
     workload: str
     temperature: float
     clients: int
-    method: str  # none | draft_model | early_exit | ngram | hf_target | hf_assisted
+    method: str  # none | draft_model | early_exit | ngram | suffix | medusa | hf_target | hf_assisted
     k: int = 0
     dtype: str = ""  # of the transformers rows' models
     adaptive: bool = False
     pipeline: bool = False
     min_draft_probability: float = 0.0
     tree: str = ""  # a token tree's shape as given (--tree); "": chains
+    key: str = ""  # the API key its requests send: a tenant of its own (what method suffix shares)
     requests: int = 0
     completion_tokens: int = 0
     wall_seconds: float = 0.0
@@ -128,6 +130,8 @@ def row_label(method: str, k: int, adaptive: bool = False, pipeline: bool = Fals
 
 
 SPECULATIVE = ("draft_model", "early_exit", "ngram", "suffix", "medusa")
+# API keys of a stack the bench starts: the warm-up's, then one per row.
+ROW_KEYS = ("bench-warm-up", *(f"bench-row-{i}" for i in range(256)))
 TREE_METHODS = ("draft_model", "early_exit", "medusa")  # the methods that draft token trees
 ADAPTIVE_MIN_PROBABILITY = 0.0
 
@@ -200,6 +204,7 @@ def stream_one(
         )
     if row.tree:
         speculation["tree"] = TreeShape.parse(row.tree).paths()
+    headers = {"Authorization": f"Bearer {row.key}"} if row.key else {}
     body = {"max_tokens": max_tokens, "temperature": row.temperature, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}, "return_timings": True, "return_token_ids": True,
             "speculation": speculation}  # fmt: skip
@@ -209,7 +214,7 @@ def stream_one(
     body["messages" if isinstance(prompt, list) else "prompt"] = prompt
     started = time.perf_counter()
     first, last, gaps, usage = None, None, [], None
-    with client.stream("POST", f"{url}{path}", json=body, timeout=600) as reply:
+    with client.stream("POST", f"{url}{path}", json=body, headers=headers, timeout=600) as reply:
         for chunk in stream_chunks(reply):
             if chunk.get("usage"):
                 usage = chunk["usage"]
@@ -316,6 +321,10 @@ def run(args, url: str, metrics_port: int | None = None) -> list[Row]:
     from tqdm import tqdm
 
     rows = plan_rows(args)
+    if getattr(args, "row_keys", False):  # each row a tenant of its own: no row drafts from another's answers
+        assert len(rows) < len(ROW_KEYS), f"at most {len(ROW_KEYS) - 1} rows"
+        for row, key in zip(rows, ROW_KEYS[1:]):
+            row.key = key
     prompts = {w: workload_prompts(w, args.prompts) for w in args.workloads}
     hf = Transformers(args.target, args.draft, args.hf_dtypes) if args.transformers else None
     # Warm-up: the first calls pay for lazy initialisation, and a draft's first greedy rounds
@@ -325,7 +334,10 @@ def run(args, url: str, metrics_port: int | None = None) -> list[Row]:
     }
     with httpx.Client() as client:
         for row in warm_ups.values() or [Row("code", 0.0, 1, "draft_model", args.k[0])]:
-            stream_one(client, url, prompts[args.workloads[0]][0], replace(row, temperature=0.0, clients=1), 16, 0)
+            warm_up = replace(
+                row, temperature=0.0, clients=1, key=ROW_KEYS[0] if getattr(args, "row_keys", False) else ""
+            )
+            stream_one(client, url, prompts[args.workloads[0]][0], warm_up, 16, 0)
     if metrics_port is not None:
         wait_for_compiled_steps(metrics_port, time.monotonic() + 300)
     # Interleave: prompt by prompt, every row of a group gets its turn.
@@ -567,7 +579,8 @@ def start_stack(args, with_ports: bool = False):
                *(["--copy-min-ngram", str(args.copy_min_ngram)] if getattr(args, "copy_min_ngram", None) is not None
                  else []),
                *(["--medusa", args.medusa] if getattr(args, "medusa", None) is not None else [])]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    keys = {"SPECSERVE_GATEWAY_API_KEYS": ",".join(ROW_KEYS)} if getattr(args, "row_keys", False) else {}
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ, **keys})
     url = f"http://127.0.0.1:{ports['gateway']}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -663,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         args.url = gateway_url(args.url, "specserve bench")
         if args.url is None:
             return 2
+    args.row_keys = not args.url  # a stack it starts serves each row under an API key of its own
     process, url, ports = (None, args.url, {}) if args.url else start_stack(args, with_ports=True)
     try:
         records = results(
