@@ -20,7 +20,7 @@ as they stand, not of the target's randomness, so each one's q is one-hot.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 DEPTH = 8  # longest context counted
@@ -97,6 +97,7 @@ def suffix_drafts(
 # most (MAX_FOLLOWERS): 90 MB to 260 MB.
 MAX_SHARED_CONTEXTS = 200_000
 FOLD_TOKENS = 4096  # finished sessions' tokens counted into the shared table per batch at most
+QUEUED_TOKENS = 64 * FOLD_TOKENS  # finished sessions' tokens waiting at most (the oldest dropped)
 MIN_PROBABILITY = 0.1  # a round's drafts stop where the path's estimated probability falls below this
 
 
@@ -118,15 +119,25 @@ class SuffixStore:
     def __init__(self, max_contexts: int = MAX_SHARED_CONTEXTS, min_probability: float = MIN_PROBABILITY):
         self.shared = SuffixCounts(max_contexts=max_contexts)
         self.min_probability = min_probability
-        self._finished: list[tuple[str, list[int]]] = []
+        self._finished: deque[tuple[str, list[int]]] = deque()
+        self._queued = 0  # tokens in _finished
         self._lock = threading.Lock()
 
     def finish(self, session: SuffixSession, tokens: list[int]) -> None:
         """Shares what the session's target made (with the depth of context before it) with
         its tenant's later sessions."""
         if session.prompt_length >= 0 and len(tokens) > session.prompt_length:
+            made = tokens[max(0, session.prompt_length - DEPTH) :]
             with self._lock:
-                self._finished.append((session.tenant, tokens[max(0, session.prompt_length - DEPTH) :]))
+                self._finished.append((session.tenant, made))
+                self._queued += len(made)
+                while self._queued > QUEUED_TOKENS:  # more finishing than batches fold in
+                    self._queued -= len(self._finished.popleft()[1])
+
+    @property
+    def queued_tokens(self) -> int:
+        """Finished sessions' tokens not yet counted into the shared table."""
+        return self._queued
 
     def _fold(self) -> None:
         """Counts finished sessions into the shared table, up to FOLD_TOKENS tokens a batch (a
@@ -136,7 +147,8 @@ class SuffixStore:
             with self._lock:
                 if not self._finished:
                     return
-                tenant, tokens = self._finished.pop(0)
+                tenant, tokens = self._finished.popleft()
+                self._queued -= len(tokens)
             self.shared.add(tokens, tenant=tenant)
             budget -= len(tokens)
 

@@ -11,7 +11,15 @@ import httpx
 
 from specserve.drafting import Drafter, DraftJob, DraftOptions
 from specserve.sampling import SamplingParams
-from specserve.suffix import MAX_FOLLOWERS, TOTAL, SuffixCounts, SuffixSession, SuffixStore, suffix_drafts
+from specserve.suffix import (
+    MAX_FOLLOWERS,
+    QUEUED_TOKENS,
+    TOTAL,
+    SuffixCounts,
+    SuffixSession,
+    SuffixStore,
+    suffix_drafts,
+)
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -72,6 +80,11 @@ def test_the_shared_table_stays_within_its_bound_after_10000_requests():
             store.drafts(SuffixSession("tenant-0"), prompt, 0, 4)  # folds the finished ones in
             assert len(store.shared) <= bound
     assert len(store.shared) == bound  # full, and evicting
+    # Sessions finishing faster than batches count them in: the oldest waiting are dropped.
+    for _ in range(2000):
+        session = SuffixSession("tenant-0", prompt_length=10)
+        store.finish(session, list(range(10)) + [rng.randrange(500) for _ in range(300)])
+    assert QUEUED_TOKENS - 310 < store.queued_tokens <= QUEUED_TOKENS
     table = store.shared.table
     size = sys.getsizeof(table) + sum(sys.getsizeof(key) + sys.getsizeof(counts) for key, counts in table.items())
     assert size < bound * 500  # bytes: each context's key and counts (docs/design.md, "Suffix decoding")
