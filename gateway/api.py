@@ -17,6 +17,7 @@ from gateway.clients import ServedModel
 from gateway.config import GatewayConfig
 from gateway.rounds import GenerationPlan
 from specserve.sampling import SamplingParams, sampling_problem
+from specserve.speculation import TREE_METHODS
 from specserve.trees import TreeShape, TreeShapeError
 
 
@@ -319,7 +320,7 @@ def _tree(asked, default: str, method: str, served: ServedModel) -> TreeShape | 
     400 for a shape that is not one or does not fit."""
     if asked is None:
         return TreeShape.parse(default) if default and method in ("draft_model", "early_exit") else None
-    if method not in ("draft_model", "early_exit", "medusa"):
+    if method not in TREE_METHODS:
         raise bad_request(
             f"a token tree needs a draft model (draft_model, early_exit or medusa), not {method}", "speculation.tree"
         )

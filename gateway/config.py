@@ -7,9 +7,10 @@ from gateway.replicas import split_addresses
 from specserve.config import TracingOptions, check, field
 from specserve.paths import DEMO_TARGET
 from specserve.serving.tls import channel_credentials, channel_options
+from specserve.speculation import METHODS as SPECULATION_METHODS
 from specserve.trees import TreeShape, TreeShapeError
 
-METHODS = ("draft_model", "early_exit", "ngram", "suffix", "medusa", "none")
+METHODS = (*SPECULATION_METHODS, "none")
 
 
 @dataclass(frozen=True)

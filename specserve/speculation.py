@@ -22,6 +22,7 @@ from specserve.trees import TreeShape, TreeShapeError
 from specserve.v1 import verify_pb2
 
 METHODS = ("draft_model", "early_exit", "ngram", "suffix", "medusa")  # medusa: a verifier's with --medusa
+TREE_METHODS = ("draft_model", "early_exit", "medusa")  # those that draft token trees; the others chains
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Speculation:
     def __post_init__(self) -> None:
         require(self.method in METHODS, f"speculation method must be one of {', '.join(METHODS)}, got {self.method!r}")
         chains_only = f"token trees are drafted by draft_model, early_exit or medusa; {self.method} drafts chains"
-        require(self.tree is None or self.method not in ("ngram", "suffix"), chains_only)
+        require(self.tree is None or self.method in TREE_METHODS, chains_only)
         require(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1")
         low, high = self.k_bounds
         require(

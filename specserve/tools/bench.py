@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 
 from specserve.paths import DEMO_DRAFT, DEMO_TARGET
+from specserve.speculation import TREE_METHODS
 from specserve.trees import TreeShape
 
 WORKLOADS = ("code", "edit", "chat", "mixed", "template")
@@ -132,7 +133,6 @@ def row_label(method: str, k: int, adaptive: bool = False, pipeline: bool = Fals
 SPECULATIVE = ("draft_model", "early_exit", "ngram", "suffix", "medusa")
 # API keys of a stack the bench starts: the warm-up's, then one per row.
 ROW_KEYS = ("bench-warm-up", *(f"bench-row-{i}" for i in range(256)))
-TREE_METHODS = ("draft_model", "early_exit", "medusa")  # the methods that draft token trees
 ADAPTIVE_MIN_PROBABILITY = 0.0
 
 
