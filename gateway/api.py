@@ -15,44 +15,26 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.clients import ServedModel
 from gateway.config import GatewayConfig
+from gateway.errors import ApiError, bad_request
 from gateway.rounds import GenerationPlan
+from gateway.shapes import lookahead_of_request, tree_of_request
 from specserve.sampling import SamplingParams, sampling_problem
-from specserve.speculation import TREE_METHODS
-from specserve.trees import TreeShape, TreeShapeError
 
 
-class ApiError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+class Lookahead(BaseModel):
+    """Method lookahead's shape (specserve/lookahead.py); unset: the verifier's defaults."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
+    model_config = ConfigDict(extra="forbid")
 
-    @property
-    def type(self) -> str:
-        return {
-            400: "invalid_request_error",
-            401: "authentication_error",
-            404: "not_found_error",
-            413: "invalid_request_error",
-            429: "rate_limit_error",
-        }.get(self.status, "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param, "invalid_value")
+    window: int | None = None
+    ngram: int | None = None
+    guesses: int | None = None
 
 
 class Speculation(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["draft_model", "early_exit", "ngram", "suffix", "medusa", "none"] | None = None
+    method: Literal["draft_model", "early_exit", "ngram", "suffix", "medusa", "lookahead", "none"] | None = None
     num_speculative_tokens: int | None = None
     adaptive: bool | None = None
     min_draft_probability: float | None = None
@@ -60,6 +42,7 @@ class Speculation(BaseModel):
     # A token tree each round drafts: children per depth ([3, 2, 1]) or paths of ranks
     # ([[0], [0, 0], [1]]) (specserve/trees.py).
     tree: list[int] | list[list[int]] | None = None
+    lookahead: Lookahead | None = None
 
 
 class StreamOptions(BaseModel):
@@ -293,7 +276,8 @@ def plan_for(
     # its method whatever the load, and a K that no timing chooses.
     seeded_sampled = request.temperature != 0 and request.seed is not None
     adaptive = defaults.adaptive if speculation.adaptive is None else speculation.adaptive
-    tree = _tree(speculation.tree, defaults.tree, method, served)
+    tree = tree_of_request(speculation.tree, defaults.tree, method, served)
+    lookahead = lookahead_of_request(speculation.lookahead, method)
     return GenerationPlan(
         prompt_token_ids=prompt_token_ids,
         max_tokens=max_tokens,
@@ -312,28 +296,8 @@ def plan_for(
         tree=tree,
         tenant=tenant,
         isolated=seeded_sampled,
+        lookahead=lookahead,
     )
-
-
-def _tree(asked, default: str, method: str, served: ServedModel) -> TreeShape | None:
-    """The request's token tree: asked, or the gateway's default for the model methods; a
-    400 for a shape that is not one or does not fit."""
-    if asked is None:
-        return TreeShape.parse(default) if default and method in ("draft_model", "early_exit") else None
-    if method not in TREE_METHODS:
-        raise bad_request(
-            f"a token tree needs a draft model (draft_model, early_exit or medusa), not {method}", "speculation.tree"
-        )
-    try:
-        tree = TreeShape.parse(asked)
-    except TreeShapeError as error:
-        raise bad_request(f"speculation.tree: {error}", "speculation.tree") from None
-    if len(tree) > served.max_speculative_tokens:
-        raise bad_request(
-            f"speculation.tree has {len(tree)} nodes; at most {served.max_speculative_tokens} draft tokens per round",
-            "speculation.tree",
-        )
-    return tree
 
 
 def _checked_lengths(request: _GenerationRequest, prompt_token_ids: list[int], served: ServedModel) -> int:

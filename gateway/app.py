@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
-from gateway.api import ChatCompletionRequest, CompletionRequest, bad_request, check_model, plan_for
+from gateway.api import ChatCompletionRequest, CompletionRequest, check_model, plan_for
 from gateway.clients import (
     Backends,
     IncompatibleModels,
@@ -24,6 +24,7 @@ from gateway.clients import (
     wait_for_model_info,
 )
 from gateway.config import GatewayConfig
+from gateway.errors import bad_request
 from gateway.guard import Guard, add_error_handlers
 from gateway.responses import respond
 from gateway.rounds import GenerationPlan

@@ -32,7 +32,7 @@ class GatewayConfig(TracingOptions):
     num_speculative_tokens: int = field(4, "K used when a request does not set speculation.num_speculative_tokens")
     method: str = field(
         "draft_model",
-        "speculation method when a request sets none: draft_model, early_exit, ngram, suffix, medusa or none",
+        "speculation method when a request sets none: draft_model, early_exit, ngram, suffix, medusa, lookahead or none",
     )
     adaptive: bool = field(
         True,

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from gateway.api import ApiError, bad_request
+from gateway.errors import ApiError, bad_request
 from gateway.replicas import NoReplica
 
 if TYPE_CHECKING:

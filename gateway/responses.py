@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from gateway.accounting import SpeculationStats
-from gateway.api import ApiError
+from gateway.errors import ApiError
 from gateway.generation import generate
 from gateway.guard import GRPC_TO_HTTP
 from gateway.observe import RequestObserver

@@ -17,7 +17,7 @@ class GenerationPlan:
     prompt_token_ids: list[int]
     max_tokens: int
     sampling: SamplingParams
-    method: str  # draft_model | early_exit | ngram | suffix | medusa | none
+    method: str  # draft_model | early_exit | ngram | suffix | medusa | lookahead | none
     num_speculative_tokens: int  # K, where an adaptive choice starts
     adaptive: bool = False  # K per round from the session's measured costs (specserve.speculation)
     min_draft_probability: float = 0.0
@@ -28,6 +28,7 @@ class GenerationPlan:
     tree: TreeShape | None = None  # each round a token tree of this shape (adaptive: where it pays)
     tenant: str = ""  # who the request is for (a hash of its API key): what method suffix may share
     isolated: bool = False  # method suffix learns from no other request (a seeded sampled one)
+    lookahead: tuple[int, int, int] = (0, 0, 0)  # method lookahead's W, N, G (0: the verifier's default)
 
     @property
     def speculation(self) -> Speculation | None:
@@ -42,6 +43,7 @@ class GenerationPlan:
             self.tree,
             self.tenant,
             self.isolated,
+            self.lookahead,
         )
 
 

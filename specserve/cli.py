@@ -166,7 +166,7 @@ def _add_models(up_parser: argparse.ArgumentParser) -> None:
 
 def _add_request_defaults(up_parser: argparse.ArgumentParser) -> None:
     """The gateway's request defaults (what a request that does not say gets), passed on."""
-    up_parser.add_argument("--method", choices=("draft_model", "early_exit", "ngram", "suffix", "medusa", "none"), default=None,
+    up_parser.add_argument("--method", choices=("draft_model", "early_exit", "ngram", "suffix", "medusa", "lookahead", "none"), default=None,
                            help="speculation method of requests that set none (the gateway's default: draft_model)")  # fmt: skip
     up_parser.add_argument("--num-speculative-tokens", type=int, default=None,
                            help="K of requests that set none, where adaptive K starts (the gateway's default: 4)")  # fmt: skip

@@ -2,15 +2,13 @@
 K (and of whether to draft at all) from what the session measures as it runs.
 
 docs/design.md's model: a round of K draft tokens costs K draft steps, a verify of K + 1 tokens
-and the round's overhead (decision, bookkeeping, the wire), and yields E(K) tokens, the
-accepted drafts plus one. Target-only decoding yields one token per target step. KChooser
+and the round's overhead (decision, bookkeeping, the wire), and yields E(K) tokens. KChooser
 picks each round's K, 0 (a target-only round) included, with the most expected tokens per
-second, so that speculation does not make a session slower than the target alone. The
-costs are RoundCosts, running estimates shared by every session in one process (a cost
-belongs to the models and the machine, and a short request must not start blind); how often
-each draft position is accepted is the session's own (it belongs to the text), starting from
-its method's running average across sessions. A session that stopped drafting tries again
-after a stretch of target-only tokens that doubles while drafts keep not paying.
+second, so that speculation does not make a session slower than the target alone. The costs
+are RoundCosts, running estimates shared by the sessions of a process (they belong to the
+models and the machine); how often each draft position is accepted is the session's own,
+starting from its method's average. A session that stopped drafting tries again after a
+stretch of target-only tokens that doubles while drafts keep not paying.
 """
 
 from __future__ import annotations
@@ -18,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specserve.errors import InvalidArgument, require
+from specserve.lookahead import LookaheadShape
 from specserve.trees import TreeShape, TreeShapeError
 from specserve.v1 import verify_pb2
 
-METHODS = ("draft_model", "early_exit", "ngram", "suffix", "medusa")  # medusa: a verifier's with --medusa
+METHODS = ("draft_model", "early_exit", "ngram", "suffix", "medusa", "lookahead")  # the last two: a verifier's
 TREE_METHODS = ("draft_model", "early_exit", "medusa")  # those that draft token trees; the others chains
 
 
@@ -38,18 +37,19 @@ class Speculation:
     tree: TreeShape | None = None  # each round a token tree of this shape; None: chains
     tenant: str = ""  # method suffix learns from the same tenant's sessions, or from none if isolated
     isolated: bool = False  # (a seeded sampled request: its output must not depend on other requests)
+    lookahead: tuple[int, int, int] = (0, 0, 0)  # method lookahead's W, N, G; 0: the verifier's default
 
     def __post_init__(self) -> None:
         require(self.method in METHODS, f"speculation method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        chains_only = f"token trees are drafted by draft_model, early_exit or medusa; {self.method} drafts chains"
+        chains_only = f"token trees are drafted by {', '.join(TREE_METHODS)}; {self.method} drafts chains"
         require(self.tree is None or self.method in TREE_METHODS, chains_only)
         require(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1")
         low, high = self.k_bounds
-        require(
-            0 <= low <= high and high >= 1,
-            f"adaptive K bounds must satisfy 0 <= min <= max, max >= 1; got {low}, {high}",
-        )
+        bounds = f"adaptive K bounds must satisfy 0 <= min <= max, max >= 1; got {low}, {high}"
+        require(0 <= low <= high and high >= 1, bounds)
         require(0 <= self.min_draft_probability <= 1, "min_draft_probability must lie in [0, 1]")
+        require(self.method == "lookahead" or not any(self.lookahead), "lookahead settings need method lookahead")
+        LookaheadShape().with_settings(self.lookahead)  # raises for a setting out of its range
 
     @classmethod
     def from_proto(cls, message: verify_pb2.Speculation) -> Speculation:
@@ -62,6 +62,7 @@ class Speculation:
             tree=tree_of(message.tree),
             tenant=message.tenant,
             isolated=message.isolated,
+            lookahead=(message.lookahead.window, message.lookahead.ngram, message.lookahead.guesses),
         )
 
     def to_proto(self) -> verify_pb2.Speculation:
@@ -75,6 +76,7 @@ class Speculation:
             tree=self.tree.to_proto() if self.tree is not None else None,
             tenant=self.tenant,
             isolated=self.isolated,
+            lookahead=verify_pb2.Lookahead(**dict(zip(("window", "ngram", "guesses"), self.lookahead))),
         )
 
 
@@ -86,23 +88,20 @@ def tree_of(message) -> TreeShape | None:
         raise InvalidArgument(str(error)) from None
 
 
-# Running estimates forget at these rates per observation: costs change with the load, acceptance
-# from one stretch of a text to the next (boilerplate, then a new idea).
+# Running estimates forget at these rates: costs change with the load, acceptance with the text.
 DECAY, ACCEPTANCE_DECAY = 0.9, 0.95
 # A session's acceptance starts as its method's average worth this many rounds; before any
 # is known, a position is taken to be kept half the time.
 PRIOR_WEIGHT, PRIOR_ACCEPTANCE = 10.0, 0.5
 SMOOTHING = 0.5  # rounds' worth of PRIOR_ACCEPTANCE in every rate: one rejection is not a rate of 0
-# Until two sizes are measured, a size's cost is taken to grow by this share of the cost of
-# size 1 per unit: a verify by about what a CPU's per-token attention costs (less on a GPU); a
-# round's drafting by a draft step, the first of which (a catch-up of the tokens just kept,
-# the draft's weights evicted by the verify) costs about twice a later one.
+# Until two sizes are measured, a size's cost grows by this share of size 1's per unit: a
+# verify by about a CPU's per-token attention; a round's drafting by a draft step, the first
+# of which (a catch-up of the tokens just kept, weights evicted by the verify) costs double.
 PRIOR_SLOPE = {"verify": 0.05, "draft": 0.5}
 # Target-only tokens before drafting is tried again, doubling while drafts do not pay.
 PROBE_STRETCH = (4, 64)
 # A size's weight in the line through the sizes grows with its samples up to this, and fades by
-# this factor with each sample of any size: a size measured only while the process was slower
-# (a compile in the background, another load) does not bend the line for good.
+# this factor with each sample of any size: a size measured while slower does not bend it for good.
 MAX_POINT_WEIGHT, POINT_WEIGHT_DECAY = 20, 0.98
 
 

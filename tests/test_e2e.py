@@ -194,6 +194,18 @@ def test_sampled_tokens_follow_the_target_distribution(request, stack_name):
     assert _chi_square([o[1] for o in outputs], first) < 1e-3
 
 
+def check_second_tokens(target_dir, prompt: list[int], results: list[tuple[list[int], dict]]) -> None:
+    """Sampled requests' (tokens, usage.speculation): their drafts were both kept and rejected,
+    and their second tokens follow the target's exact marginal (and not its first token's
+    distribution: the test can tell them apart)."""
+    drafted = sum(usage["num_draft_tokens"] for _, usage in results)
+    accepted = sum(usage["num_accepted_tokens"] for _, usage in results)
+    assert 0.05 * drafted < accepted < 0.95 * drafted, (drafted, accepted)
+    first, second = _target_first_two_token_distributions(target_dir, prompt)
+    assert _chi_square([tokens[1] for tokens, _ in results], second) > 1e-3
+    assert _chi_square([tokens[1] for tokens, _ in results], first) < 1e-3
+
+
 def _copy_firing_prompt(target_dir, base: tuple[int, ...], mass: float = 0.99) -> tuple[list[int], float]:
     """A prompt ending in x in which [x, v, w] occurs earlier for each token v the target is
     likely to draw first, w being the target's likeliest token after v: the round after the

@@ -157,7 +157,7 @@ def test_greedy_suffix_output_equals_target_only_and_learns_across_requests(requ
 def test_sampled_suffix_rounds_follow_the_target_distribution(stack):
     """1200 seeded requests at temperature 1 on a prompt whose repeats the round after the
     prefill copies: the second token follows the target exactly."""
-    from tests.test_e2e import PROMPTS, _chi_square, _copy_firing_prompt, _target_first_two_token_distributions
+    from tests.test_e2e import PROMPTS, _copy_firing_prompt, check_second_tokens
 
     prompt, _ = _copy_firing_prompt(stack.target_dir, PROMPTS[0])
 
@@ -168,9 +168,4 @@ def test_sampled_suffix_rounds_follow_the_target_distribution(stack):
 
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(run, range(1200)))
-    drafted = sum(usage["num_draft_tokens"] for _, usage in results)
-    accepted = sum(usage["num_accepted_tokens"] for _, usage in results)
-    assert 0.05 * drafted < accepted < 0.95 * drafted  # drafts both kept and rejected
-    first, second = _target_first_two_token_distributions(stack.target_dir, prompt)
-    assert _chi_square([tokens[1] for tokens, _ in results], second) > 1e-3
-    assert _chi_square([tokens[1] for tokens, _ in results], first) < 1e-3  # the test can tell them apart
+    check_second_tokens(stack.target_dir, prompt, results)

@@ -184,9 +184,9 @@ def test_model_info_of_both_services_agree(verify, split_verify, draft):
     # The default stack's verifier drafts with the draft model, early exit, n-gram, suffix and
     # the target's Medusa heads; one beside a draft service with n-gram and suffix (they need no
     # model) and the heads (they need the target's hidden state).
-    assert sorted(target_info.local_methods) == ["draft_model", "early_exit", "medusa", "ngram", "suffix"]
+    assert sorted(target_info.local_methods) == ["draft_model", "early_exit", "lookahead", "medusa", "ngram", "suffix"]
     split = split_verify.GetModelInfo(common_pb2.ModelInfoRequest())
-    assert sorted(split.local_methods) == ["medusa", "ngram", "suffix"]
+    assert sorted(split.local_methods) == ["lookahead", "medusa", "ngram", "suffix"]
     assert sorted(draft_info.local_methods) == ["draft_model", "early_exit", "ngram", "suffix"]  # the draft service's
 
 

@@ -58,8 +58,8 @@ def check_draft_tokenizer(config: VerifyConfig) -> None:
 
 
 def colocated_drafting(config: VerifyConfig, target: LoadedModel, metrics: ServiceMetrics) -> LocalDrafting:
-    """The verifier's own drafter: n-gram always, the draft model, early exit and Medusa
-    heads when asked."""
+    """The verifier's own drafter: n-gram and suffix always, lookahead on the runner backend,
+    the draft model, early exit and Medusa heads when asked."""
     models = {}
     if config.draft_model:
         # A draft need not be bitwise row-independent: verification keeps the output exact.
@@ -74,7 +74,10 @@ def colocated_drafting(config: VerifyConfig, target: LoadedModel, metrics: Servi
     drafter_metrics = ServiceMetrics("drafter", metrics.registry)
     drafter_metrics.count_compiling(models)
     drafter = Drafter(models, options, drafter_metrics)
-    return LocalDrafting(drafter, config.max_speculative_tokens, medusa_drafting(config, target))
+    lookahead = config.lookahead if target.backend.supports_trees else None  # its window is a token tree
+    every_round = {"all": True, "uncopied": False}.get(config.lookahead_window_rounds, target.device.type == "cuda")
+    medusa = medusa_drafting(config, target)
+    return LocalDrafting(drafter, config.max_speculative_tokens, medusa, lookahead, every_round)
 
 
 def medusa_drafting(config: VerifyConfig, target: LoadedModel) -> MedusaDrafting | None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specserve.config import check, field
+from specserve.errors import InvalidArgument
+from specserve.lookahead import DEFAULT_GUESSES, DEFAULT_NGRAM, DEFAULT_WINDOW, LookaheadShape
 from specserve.paths import DEMO_TARGET
 from specserve.serving.options import ServiceOptions
 
@@ -46,6 +48,18 @@ class VerifyConfig(ServiceOptions):
         "then draft from the target's own hidden state, no draft model (empty: not served)",
     )
     ngram_max: int = field(4, "longest suffix the colocated ngram drafter looks up")
+    lookahead_window: int = field(
+        DEFAULT_WINDOW, "method lookahead: W, guesses per level of the Jacobi window (a request may set its own)"
+    )
+    lookahead_ngram: int = field(
+        DEFAULT_NGRAM, "method lookahead: N, the size of its n-grams; a round verifies candidates of N - 1 tokens"
+    )
+    lookahead_guesses: int = field(DEFAULT_GUESSES, "method lookahead: G, candidates verified per round")
+    lookahead_window_rounds: str = field(
+        "auto",
+        "method lookahead: the rounds that feed the Jacobi window: all (the paper's), uncopied (only those with no "
+        "copy of the context to verify: on a CPU every token fed costs), or auto (all on a GPU, uncopied on a CPU)",
+    )
     copy_min_ngram: int = field(
         2,
         "a colocated model's drafts start with a copy of what followed where the sequence's last copy_min_ngram "
@@ -67,6 +81,19 @@ class VerifyConfig(ServiceOptions):
         check(self.early_exit_layers >= 0, "early_exit_layers must be >= 0")
         check(self.max_workers >= 4, "max_workers must be >= 4")
         check(
+            self.lookahead_window_rounds in ("auto", "all", "uncopied"),
+            "lookahead_window_rounds must be auto, all or uncopied",
+        )
+        try:
+            _ = self.lookahead  # its checks
+        except InvalidArgument as error:
+            check(False, str(error))
+        check(
             self.max_workers > self.max_sessions,
             "max_workers must exceed max_sessions: a Decode stream holds a thread, and other calls need some",
         )
+
+    @property
+    def lookahead(self) -> LookaheadShape:
+        """Method lookahead's shape where a request sets none."""
+        return LookaheadShape(self.lookahead_window, self.lookahead_ngram, self.lookahead_guesses)

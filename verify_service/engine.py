@@ -35,7 +35,7 @@ from verify_service.config import VerifyConfig
 from verify_service.decisions import decide
 from verify_service.jobs import DecodeJob, Job, Outcome, PrefillJob, ReleaseJob, Session, SweepJob, VerifyJob
 from verify_service.local_drafts import DraftTiming, LocalDrafting
-from verify_service.tree_rounds import check_tree, check_tree_speculation, keep_path, tree_nodes
+from verify_service.tree_rounds import check_tree, check_tree_speculation, keep_path, split_window, tree_nodes
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ class _Row:
     drafted_locally: bool = False  # a speculative decode's round with drafts, the verifier's own
     parents: list[int] | None = None  # a token tree's: the parent of each node of feed (root -1)
     path: list[int] | None = None  # a token tree's nodes kept, from its decision
+    window: int = 0  # a lookahead round's last nodes: its Jacobi window, which the decision does not read
+    window_whole: bool = True  # whether all of the window's nodes were fed (a tree pruned to free slots: not)
 
 
 class Verifier:
@@ -251,7 +253,7 @@ class Verifier:
         wanted = []
         for job, row in speculative:
             room = min(job.max_tokens, self.loaded.max_context_length - len(row.session.tokens))
-            choice = row.session.drafts.chooser.next_round(room)
+            choice = row.session.drafts.next_round(room)
             wanted.append((row.session.drafts, row.session.tokens, choice, row.sampling, row.session.hidden))
         proposals, timing = self.local.propose(wanted)
         for (_, row), proposal in zip(speculative, proposals):
@@ -260,6 +262,7 @@ class Verifier:
             row.drafted_locally = bool(row.drafts)
             if proposal.draft_parents:
                 row.parents = [-1, *proposal.draft_parents]
+                row.window = proposal.window_nodes
         return timing
 
     def _prepare_prefill(self, job: PrefillJob) -> _Row:
@@ -278,6 +281,7 @@ class Verifier:
                 existing.drafts = None
             sequence, is_new = existing.sequence, False
         else:
+            self.backend.trim_branches()  # where no slot is free, token trees' branch slots go back first
             sequence, is_new = self.backend.open(), True  # raises ResourceExhausted when full
         session = Session(list(job.token_ids), sequence, job.sampling)
         return _Row(
@@ -325,6 +329,8 @@ class Verifier:
             parts = [tree_nodes(self.backend, row) for row in trees]
             for row, (logits, argmax) in zip(trees, self.backend.forward_trees(parts)):
                 row.logits, row.argmax = logits, argmax
+                if row.window:  # the window's guesses to its session; the decision reads the rest
+                    row.session.drafts.lookahead.learn(split_window(row))
 
     def _check_drafts(self, job: VerifyJob, sampling: SamplingParams) -> None:
         k = len(job.draft_token_ids)

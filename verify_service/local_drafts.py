@@ -5,7 +5,8 @@ the draft and the verify.
 The drafter is specserve's (the draft service runs the same one): its draft model, the
 target's own first layers (early exit) or n-gram lookup (always served: it needs no model).
 With Medusa heads loaded, method medusa drafts from the target's own hidden state
-(verify_service/medusa_drafts.py).
+(verify_service/medusa_drafts.py); on the runner backend, method lookahead from the target's
+own guesses in a Jacobi window fed beside the round's candidates (specserve/lookahead.py).
 Each session keeps its draft state and its KChooser, which picks each round's K from the
 session's measured costs and acceptance. Everything runs on the verifier's worker thread.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from specserve.drafting import Drafter, DraftJob, DraftSession, Proposal
 from specserve.errors import RequestError
+from specserve.lookahead import LookaheadSession, LookaheadShape
 from specserve.serving.logs import RateLimitedLog
 from specserve.speculation import KChooser, RoundChoice, Shared, Speculation
 from verify_service.medusa_drafts import MedusaDrafting
@@ -30,8 +32,9 @@ class SessionDrafts:
     """A verifier session's colocated drafting: its draft state and its choice of K."""
 
     speculation: Speculation
-    draft: DraftSession | None  # None for medusa: the heads keep no state of their own
+    draft: DraftSession | None  # None for medusa (the heads keep no state) and lookahead
     chooser: KChooser
+    lookahead: LookaheadSession | None = None
     drafted_rounds: int = 0
     last_k: int = 0  # the K of the round before
     tree_round: bool = False  # whether the round drafted now is a tree
@@ -41,7 +44,11 @@ class SessionDrafts:
         decision) and all it took (round_s). A drafting that fed the draft more than a round's
         tokens is no round's usual cost and is left out: the first (it reads the prompt), and
         the first after target-only rounds (it reads what they made; counted, it made drafts
-        look dear, which made the target-only stretches, and so the next catch-up, longer)."""
+        look dear, which made the target-only stretches, and so the next catch-up, longer).
+        A lookahead round's verify feeds its window too, no round of K drafts: its costs would
+        mislead the K of every session, and lookahead rounds are not chosen by them."""
+        if self.lookahead is not None:
+            return
         verify_s = (outcome.decided_ns - outcome.batch_started_ns) / 1e9
         usual = self.drafted_rounds and self.last_k > 0
         draft_s = outcome.draft_seconds if usual else None
@@ -49,6 +56,13 @@ class SessionDrafts:
         self.last_k = outcome.num_draft_tokens
         tree = self.tree_round and outcome.num_draft_tokens > 0
         self.chooser.observe(outcome.num_draft_tokens, outcome.num_accepted, draft_s, verify_s, round_s, tree)
+
+    def next_round(self, remaining: int) -> RoundChoice:
+        """The round for a session that may make `remaining` more tokens: the chooser's, or
+        for lookahead candidates of N - 1 tokens (fewer near the end), every round."""
+        if self.lookahead is None:
+            return self.chooser.next_round(remaining)
+        return RoundChoice(min(self.lookahead.shape.ngram - 1, max(0, remaining - 1)))
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,7 @@ class LocalProposal:
     draft_token_ids: tuple[int, ...] = ()
     draft_distributions: tuple = ()
     draft_parents: tuple[int, ...] = ()  # a token tree's; () a chain
+    window_nodes: int = 0  # a lookahead round's last nodes: its window, which no decision reads
 
 
 @dataclass
@@ -69,9 +84,21 @@ class DraftTiming:
 
 
 class LocalDrafting:
-    def __init__(self, drafter: Drafter, max_speculative_tokens: int, medusa: MedusaDrafting | None = None):
+    def __init__(
+        self,
+        drafter: Drafter,
+        max_speculative_tokens: int,
+        medusa: MedusaDrafting | None = None,
+        lookahead: LookaheadShape | None = None,
+        lookahead_every_round: bool = True,
+    ):
+        """lookahead: the shape lookahead sessions take where a request sets none (None: the
+        method is not served, as on the transformers backend, which has no token trees);
+        lookahead_every_round: whether every round feeds the window, or only uncopied ones."""
         self.drafter = drafter
         self.medusa = medusa
+        self.lookahead = lookahead
+        self.lookahead_every_round = lookahead_every_round
         self.max_speculative_tokens = max_speculative_tokens
         self._failures = RateLimitedLog(log)
         self.shared = Shared()  # what the sessions learn together: round costs, acceptance
@@ -80,22 +107,25 @@ class LocalDrafting:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        return (*self.drafter.models, "ngram", "suffix", *(("medusa",) if self.medusa is not None else ()))
+        own = (("medusa",) if self.medusa is not None else ()) + (("lookahead",) if self.lookahead else ())
+        return (*self.drafter.models, "ngram", "suffix", *own)
 
     def session_drafts(self, current: SessionDrafts | None, speculation: Speculation) -> SessionDrafts:
         """The session's drafting for these settings: the current one, or a new one when the
         settings changed (the old one closed once the new one is open)."""
         if current is not None and current.speculation == speculation:
             return current
-        medusa = speculation.method == "medusa"
-        # raises for a method not served, or when full
-        draft = (
-            None
-            if medusa
-            else self.drafter.open_session("", speculation.method, speculation.tenant, speculation.isolated)
-        )
+        chooser = KChooser(speculation, self.shared, self.max_speculative_tokens)
+        if speculation.method == "lookahead":
+            shape = self.lookahead.with_settings(speculation.lookahead)  # raises for a bad setting
+            self.close(current)
+            session = LookaheadSession(shape, self.drafter.options.ngram_max, self.lookahead_every_round)
+            return SessionDrafts(speculation, None, chooser, session)
+        draft = None
+        if speculation.method != "medusa":  # raises for a method not served, or when full
+            draft = self.drafter.open_session("", speculation.method, speculation.tenant, speculation.isolated)
         self.close(current)
-        return SessionDrafts(speculation, draft, KChooser(speculation, self.shared, self.max_speculative_tokens))
+        return SessionDrafts(speculation, draft, chooser)
 
     def observe_target_only(self, outcome, round_s: float) -> None:
         """A target-only decode's token: what a round without drafts costs."""
@@ -118,8 +148,15 @@ class LocalDrafting:
         fails runs target-only this round."""
         timing = DraftTiming(started_ns=time.time_ns())
         wanted = [i for i, (drafts, _, choice, _, _) in enumerate(jobs) if choice.k > 0 and drafts.draft is not None]
-        heads = [i for i, (drafts, _, choice, _, _) in enumerate(jobs) if choice.k > 0 and drafts.draft is None]
+        heads = [
+            i
+            for i, (drafts, _, choice, _, _) in enumerate(jobs)
+            if choice.k > 0 and drafts.speculation.method == "medusa"
+        ]
         out = [LocalProposal()] * len(jobs)
+        for i, (drafts, verified, choice, sampling, _) in enumerate(jobs):
+            if choice.k > 0 and drafts.lookahead is not None:
+                self._lookahead(out, i, drafts.lookahead, verified, choice.k, sampling.is_greedy)
         if heads:
             self._medusa(jobs, heads, out)
         if wanted:
@@ -130,6 +167,13 @@ class LocalDrafting:
                     self._failures.warning("colocated drafting failed (%s); the round runs target-only", proposal)
         timing.ended_ns = time.time_ns()
         return out, timing
+
+    def _lookahead(self, out: list, i: int, session: LookaheadSession, verified: list[int], k: int, greedy: bool):
+        room = self.drafter.options.max_context_length - len(verified)
+        try:
+            out[i] = LocalProposal(*session.propose(verified, k, greedy, room))
+        except Exception as error:  # noqa: BLE001 - drafts are optional: the round runs target-only
+            self._failures.warning("lookahead drafting failed (%s); the round runs target-only", error)
 
     def _medusa(self, jobs: list, rows: list[int], out: list[LocalProposal]) -> None:
         asked = []

@@ -53,13 +53,31 @@ def tree_nodes(backend: Backend, row) -> TreeNodes:
     room = backend.reserve_branches(sequence, wanted)
     if room < wanted:
         kept = prune_to_branches(row.parents, room)
+        if row.window:  # a lookahead round's window comes last: its nodes kept, and whether all were
+            first = len(row.feed) - row.window
+            row.window = sum(node >= first for node in kept)
+            row.window_whole = False
         row.parents = renumber(row.parents, kept)
         row.feed = [row.feed[node] for node in kept]
         row.drafts = tuple(row.feed[1:])
-        if row.distributions:
-            row.distributions = tuple(row.distributions[node - 1] for node in kept[1:])
+        if row.distributions:  # the candidates' (a lookahead window's nodes have none)
+            row.distributions = tuple(
+                row.distributions[node - 1] for node in kept[1:] if node <= len(row.distributions)
+            )
         on = branches(row.parents)
     return TreeNodes(sequence, sequence.length, list(row.feed), depths(row.parents), on)
+
+
+def split_window(row) -> list[int] | None:
+    """Takes a lookahead round's window nodes off the row after its forward, so that its
+    decision reads the candidates only; the target's argmax at the window's nodes (None
+    where some were not fed)."""
+    end = len(row.feed) - row.window
+    argmax = row.argmax[end:] if row.argmax is not None else row.logits[end:].argmax(-1).tolist()
+    row.feed, row.parents, row.logits = row.feed[:end], row.parents[:end], row.logits[:end]
+    row.argmax = row.argmax[:end] if row.argmax is not None else None
+    row.drafts = tuple(row.feed[1:])
+    return argmax if row.window_whole else None
 
 
 def keep_path(backend: Backend, row) -> list[int]:

@@ -78,7 +78,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_verified: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
 
 class Speculation(_message.Message):
-    __slots__ = ("method", "num_speculative_tokens", "adaptive", "adaptive_k_min", "adaptive_k_max", "min_draft_probability", "tree", "tenant", "isolated")
+    __slots__ = ("method", "num_speculative_tokens", "adaptive", "adaptive_k_min", "adaptive_k_max", "min_draft_probability", "tree", "tenant", "isolated", "lookahead")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class Speculation(_message.Message):
     TREE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     ISOLATED_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     method: str
     num_speculative_tokens: int
     adaptive: bool
@@ -97,7 +98,18 @@ class Speculation(_message.Message):
     tree: _common_pb2.TokenTree
     tenant: str
     isolated: bool
-    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., adaptive_k_min: _Optional[int] = ..., adaptive_k_max: _Optional[int] = ..., min_draft_probability: _Optional[float] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., tenant: _Optional[str] = ..., isolated: _Optional[bool] = ...) -> None: ...
+    lookahead: Lookahead
+    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., adaptive_k_min: _Optional[int] = ..., adaptive_k_max: _Optional[int] = ..., min_draft_probability: _Optional[float] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., tenant: _Optional[str] = ..., isolated: _Optional[bool] = ..., lookahead: _Optional[_Union[Lookahead, _Mapping]] = ...) -> None: ...
+
+class Lookahead(_message.Message):
+    __slots__ = ("window", "ngram", "guesses")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_FIELD_NUMBER: _ClassVar[int]
+    GUESSES_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    ngram: int
+    guesses: int
+    def __init__(self, window: _Optional[int] = ..., ngram: _Optional[int] = ..., guesses: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_id", "num_verified", "batch_size", "server_seconds", "forward_seconds", "kernel_seconds", "accepted_token_ids", "num_draft_tokens", "draft_seconds", "tree")

@@ -1,0 +1,51 @@
+"""The shapes a request asks its rounds to take: a token tree (speculation.tree) and method
+lookahead's window and candidates (speculation.lookahead), checked against what is served;
+a 400 naming the field for one that is not a shape or does not fit."""
+
+from __future__ import annotations
+
+from gateway.clients import ServedModel
+from gateway.errors import bad_request
+from specserve.errors import InvalidArgument
+from specserve.lookahead import LookaheadShape
+from specserve.speculation import TREE_METHODS
+from specserve.trees import TreeShape, TreeShapeError
+
+
+def tree_of_request(asked, default: str, method: str, served: ServedModel) -> TreeShape | None:
+    """The request's token tree: asked, or the gateway's default for the model methods; a
+    400 for a shape that is not one or does not fit."""
+    if asked is None:
+        return TreeShape.parse(default) if default and method in ("draft_model", "early_exit") else None
+    if method not in TREE_METHODS:
+        raise bad_request(
+            f"a token tree needs a draft model (draft_model, early_exit or medusa), not {method}", "speculation.tree"
+        )
+    try:
+        tree = TreeShape.parse(asked)
+    except TreeShapeError as error:
+        raise bad_request(f"speculation.tree: {error}", "speculation.tree") from None
+    if len(tree) > served.max_speculative_tokens:
+        raise bad_request(
+            f"speculation.tree has {len(tree)} nodes; at most {served.max_speculative_tokens} draft tokens per round",
+            "speculation.tree",
+        )
+    return tree
+
+
+def lookahead_of_request(asked, method: str) -> tuple[int, int, int]:
+    """The request's (W, N, G), 0 where unset (the verifier's default); a 400 for a setting
+    out of its range or without method lookahead."""
+    if asked is None:
+        return (0, 0, 0)
+    if method != "lookahead":
+        raise bad_request(f"speculation.lookahead needs method lookahead, not {method}", "speculation.lookahead")
+    settings = (asked.window, asked.ngram, asked.guesses)
+    if any(value is not None and value < 1 for value in settings):
+        raise bad_request("speculation.lookahead's window, ngram and guesses are >= 1", "speculation.lookahead")
+    settings = tuple(value or 0 for value in settings)
+    try:
+        LookaheadShape().with_settings(settings)
+    except InvalidArgument as error:
+        raise bad_request(f"speculation.lookahead: {error}", "speculation.lookahead") from None
+    return settings
