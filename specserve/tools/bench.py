@@ -66,13 +66,14 @@ class Row:
     workload: str
     temperature: float
     clients: int
-    method: str  # none | draft_model | early_exit | ngram | suffix | medusa | hf_target | hf_assisted
+    method: str  # none | draft_model | early_exit | ngram | suffix | medusa | lookahead | hf_target | hf_assisted
     k: int = 0
     dtype: str = ""  # of the transformers rows' models
     adaptive: bool = False
     pipeline: bool = False
     min_draft_probability: float = 0.0
     tree: str = ""  # a token tree's shape as given (--tree); "": chains
+    lookahead: str = ""  # method lookahead's "W,N,G" as given (--lookahead); "": the verifier's defaults
     key: str = ""  # the API key its requests send: a tenant of its own (what method suffix shares)
     requests: int = 0
     completion_tokens: int = 0
@@ -94,6 +95,8 @@ class Row:
         label = row_label(self.method, self.k, self.adaptive, self.pipeline, self.min_draft_probability)
         if self.tree:
             label = f"{self.method} tree {self.tree}" + (" adaptive" if self.adaptive else "")
+        if self.method == "lookahead":
+            label = f"lookahead W,N,G={self.lookahead or 'default'}"
         return f"{label} {self.dtype}" if self.dtype else label
 
     @property
@@ -130,7 +133,7 @@ def row_label(method: str, k: int, adaptive: bool = False, pipeline: bool = Fals
     return method
 
 
-SPECULATIVE = ("draft_model", "early_exit", "ngram", "suffix", "medusa")
+SPECULATIVE = ("draft_model", "early_exit", "ngram", "suffix", "medusa", "lookahead")
 # API keys of a stack the bench starts: the warm-up's, then one per row.
 ROW_KEYS = ("bench-warm-up", *(f"bench-row-{i}" for i in range(256)))
 ADAPTIVE_MIN_PROBABILITY = 0.0
@@ -204,6 +207,8 @@ def stream_one(
         )
     if row.tree:
         speculation["tree"] = TreeShape.parse(row.tree).paths()
+    if row.lookahead:
+        speculation["lookahead"] = dict(zip(("window", "ngram", "guesses"), map(int, row.lookahead.split(","))))
     headers = {"Authorization": f"Bearer {row.key}"} if row.key else {}
     body = {"max_tokens": max_tokens, "temperature": row.temperature, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}, "return_timings": True, "return_token_ids": True,
@@ -296,7 +301,12 @@ def plan_rows(args) -> list[Row]:
         for temperature in args.temperatures:
             for clients in args.concurrency:
                 rows.append(Row(workload, temperature, clients, "none"))
-                rows += [Row(workload, temperature, clients, method, k) for method in args.methods for k in args.k]
+                chains = [method for method in args.methods if method != "lookahead"]
+                rows += [Row(workload, temperature, clients, method, k) for method in chains for k in args.k]
+                if "lookahead" in args.methods:  # its rounds are its shape's, not a K's
+                    rows += [
+                        Row(workload, temperature, clients, "lookahead", lookahead=shape) for shape in args.lookahead
+                    ]
                 if args.adaptive:
                     rows.append(Row(workload, temperature, clients, "draft_model", max(args.k), adaptive=True,
                                     min_draft_probability=args.adaptive_min_probability))  # fmt: skip
@@ -652,6 +662,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="add a row per token tree (children per depth '2,1,1' or paths '[[0],[0,0],[1]]') "
                              "for each of --methods that drafts trees (else draft_model), and an adaptive one "
                              "with --adaptive")  # fmt: skip
+    parser.add_argument("--lookahead", nargs="+", default=[""], metavar="W,N,G",
+                        help="with --methods lookahead: a row per shape, window,ngram,guesses ('' the verifier's defaults)")  # fmt: skip
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="clients at once")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")

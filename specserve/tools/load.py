@@ -90,10 +90,15 @@ def client_loop(
                 tally.add(greedy_checked=1, greedy_mismatches=int(tokens != references[prompt]))
 
 
-def served_medusa(client: httpx.Client, url: str, prompt: str) -> tuple[str, ...]:
-    """("medusa",) where the stack serves Medusa heads (the demo target's), else ()."""
-    body = {"prompt": prompt, "max_tokens": 1, "speculation": {"method": "medusa"}}
-    return ("medusa",) if client.post(f"{url}/v1/completions", json=body).status_code == 200 else ()
+def served(client: httpx.Client, url: str, prompt: str, methods: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of methods the stack serves (medusa: where it has the target's heads; lookahead:
+    on the runner backend)."""
+    out = []
+    for method in methods:
+        body = {"prompt": prompt, "max_tokens": 1, "speculation": {"method": method}}
+        if client.post(f"{url}/v1/completions", json=body).status_code == 200:
+            out.append(method)
+    return tuple(out)
 
 
 def kill_draft(draft_port: int) -> int | None:
@@ -141,7 +146,13 @@ def main(argv: list[str] | None = None) -> int:
         with httpx.Client(timeout=300) as client:
             references = {p: stream(client, url, {"prompt": p, "max_tokens": args.max_tokens, "temperature": 0,
                                                   "speculation": {"method": "none"}}, None)[0] for p in prompts}  # fmt: skip
-            methods = ("draft_model", "draft_model", "ngram", "none", *served_medusa(client, url, prompts[0]))
+            methods = (
+                "draft_model",
+                "draft_model",
+                "ngram",
+                "none",
+                *served(client, url, prompts[0], ("medusa", "lookahead")),
+            )
         tally = Tally()
         stop_at = time.monotonic() + args.duration
         threads = [threading.Thread(target=client_loop,
