@@ -18,6 +18,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import ApiError, bad_request
 from gateway.rounds import GenerationPlan
 from gateway.shapes import lookahead_of_request, tree_of_request
+from specserve.logprobs import MAX_TOP_LOGPROBS
 from specserve.sampling import SamplingParams, sampling_problem
 
 
@@ -67,8 +68,6 @@ UNSUPPORTED = {
     "min_tokens": (0,),
     "stop_token_ids": ([],),
     "ignore_eos": (False,),
-    "top_logprobs": (0,),
-    "prompt_logprobs": (0,),
     "use_beam_search": (False,),
     "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
@@ -93,6 +92,7 @@ UNSUPPORTED = {
     "reasoning_effort": (),
 }
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 64, 1024
+MAX_CHOICES = 16  # n: choices of one request, each its own rounds
 
 
 class _GenerationRequest(BaseModel):
@@ -115,6 +115,7 @@ class _GenerationRequest(BaseModel):
     return_token_ids: bool = False
     return_timings: bool = False
     logprobs: bool | int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, with this many top ones
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -157,6 +158,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
     chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
 
     def template_variables(self) -> dict:
@@ -191,8 +193,23 @@ TEMPLATE_ARGUMENTS = frozenset(
 )
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered as a chat completion would be."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
 def check_model(requested: str | None, served: ServedModel) -> None:
-    if requested is not None and requested != served.name:
+    """An omitted or empty model is the served one."""
+    if requested and requested != served.name:
         raise ApiError(
             404,
             f"The model `{requested}` does not exist; this server serves `{served.name}`.",
@@ -202,6 +219,8 @@ def check_model(requested: str | None, served: ServedModel) -> None:
 
 
 def check_unsupported(request: _GenerationRequest) -> None:
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     for name, value in (request.model_extra or {}).items():
         if name in UNSUPPORTED and value is not None and not any(_same(value, d) for d in UNSUPPORTED[name]):
             neutral = " or ".join(json.dumps(d) for d in UNSUPPORTED[name])
@@ -210,13 +229,9 @@ def check_unsupported(request: _GenerationRequest) -> None:
                 + (f" or set it to {neutral}" if neutral else ""),
                 name,
             )
-    if request.n not in (None, 1):
-        raise bad_request("only n = 1 is supported", "n")
-    if request.logprobs not in (None, False, 0):
-        raise bad_request("logprobs are not supported", "logprobs")
+    if request.n is not None and not 1 <= request.n <= MAX_CHOICES:
+        raise bad_request(f"n must lie in 1..{MAX_CHOICES}", "n")
     if isinstance(request, CompletionRequest):
-        if request.echo:
-            raise bad_request("echo is not supported", "echo")
         if request.best_of not in (None, 1):
             raise bad_request("only best_of = 1 is supported", "best_of")
         if request.suffix:
@@ -230,6 +245,29 @@ def _same(value, neutral) -> bool:
     return value == neutral
 
 
+def logprob_settings(request: _GenerationRequest) -> tuple[bool, int, int | None]:
+    """(each token's logprob asked, the likeliest tokens' shown beside it, the prompt tokens'
+    logprobs' top ones or None where not asked): completions' logprobs N; chat's logprobs and
+    top_logprobs; echo with logprobs and vLLM's prompt_logprobs ask for the prompt's."""
+    if isinstance(request, ChatCompletionRequest):
+        if request.logprobs not in (None, True, False):
+            raise bad_request("logprobs is true or false in a chat completion (top_logprobs: how many)", "logprobs")
+        asked, top, param = bool(request.logprobs), request.top_logprobs or 0, "top_logprobs"
+        if top and not asked:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    else:
+        asked = request.logprobs is not None and request.logprobs is not False
+        top, param = (0 if isinstance(request.logprobs, bool) else request.logprobs or 0), "logprobs"
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"{param} must lie in 0..{MAX_TOP_LOGPROBS}", param)
+    prompt = request.prompt_logprobs
+    if prompt is not None and not 0 <= prompt <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"prompt_logprobs must lie in 0..{MAX_TOP_LOGPROBS}", "prompt_logprobs")
+    if isinstance(request, CompletionRequest) and request.echo and asked:
+        prompt = max(prompt or 0, top)
+    return asked, top, prompt
+
+
 def sampling_for(request: _GenerationRequest, vocab_size: int) -> SamplingParams:
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
@@ -240,7 +278,8 @@ def sampling_for(request: _GenerationRequest, vocab_size: int) -> SamplingParams
         raise bad_request(*problem)
     if top_k >= vocab_size:
         top_k = 0  # keeps every token, as 0 does
-    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    logprobs, top, _ = logprob_settings(request)
+    return SamplingParams(temperature, top_p, top_k, seed, logprobs, top)
 
 
 def plan_for(
@@ -297,6 +336,7 @@ def plan_for(
         tenant=tenant,
         isolated=seeded_sampled,
         lookahead=lookahead,
+        prompt_logprobs=logprob_settings(request)[2],
     )
 
 
@@ -314,8 +354,9 @@ def _checked_lengths(request: _GenerationRequest, prompt_token_ids: list[int], s
             "prompt",
         )
     max_tokens = _max_tokens(request, room)
-    if max_tokens < 1:
-        raise bad_request("max_tokens must be >= 1", "max_tokens")
+    scores_prompt = request.prompt_logprobs is not None or (isinstance(request, CompletionRequest) and request.echo)
+    if max_tokens < (0 if scores_prompt else 1):  # 0: the prompt's logprobs only (a log-likelihood)
+        raise bad_request("max_tokens must be >= 1 (0 with echo or prompt_logprobs)", "max_tokens")
     if max_tokens > room:
         raise bad_request(
             f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context window "

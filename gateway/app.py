@@ -14,7 +14,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
-from gateway.api import ChatCompletionRequest, CompletionRequest, check_model, plan_for
+from gateway.api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_model,
+    plan_for,
+)
 from gateway.clients import (
     Backends,
     IncompatibleModels,
@@ -28,6 +35,7 @@ from gateway.errors import bad_request
 from gateway.guard import Guard, add_error_handlers
 from gateway.responses import respond
 from gateway.rounds import GenerationPlan
+from specserve import __version__
 from specserve.serving.metrics import GatewayMetrics
 from specserve.v1 import draft_pb2_grpc, verify_pb2_grpc
 from specserve.v1.common_pb2 import ModelInfo, ModelInfoRequest
@@ -137,6 +145,7 @@ def create_app(config: GatewayConfig, tokenizer, fingerprint: str, on_fatal=None
     app.add_middleware(Guard, gateway=gateway)
 
     _add_routes(app, gateway)
+    _add_vllm_routes(app, gateway)
     return app
 
 
@@ -241,6 +250,8 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
             "object": "model",
             "created": 0,
             "owned_by": "specserve",
+            "root": served.name,
+            "parent": None,
             "max_model_len": served.max_context_length,
         }
         return {"object": "list", "data": [card]}
@@ -258,3 +269,37 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
         prompt = await gateway.off_loop(gateway.chat_prompt, request)
         plan = gateway.plan(request, prompt, http.scope["state"].get("tenant", ""))
         return await respond(gateway, request, plan, chat=True, http=http)
+
+
+def _add_vllm_routes(app: FastAPI, gateway: Gateway) -> None:
+    """vLLM's server's own: its version, and tokenizing as the completions do."""
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        """vLLM's: a prompt's (or chat messages') token ids, as the completions would take them."""
+        check_model(request.model, gateway.served)
+        if request.messages is not None:
+            chat = ChatCompletionRequest(messages=request.messages)
+            tokens = await gateway.off_loop(gateway.chat_prompt, chat)
+        else:
+            text = request.prompt or ""
+            tokens = await gateway.off_loop(
+                lambda _, t: list(t(text, add_special_tokens=request.add_special_tokens)["input_ids"]), None
+            )
+        return {
+            "count": len(tokens),
+            "max_model_len": gateway.served.max_context_length,
+            "tokens": tokens,
+            "token_strs": None,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        check_model(request.model, gateway.served)
+        if any(not 0 <= t < gateway.served.vocab_size for t in request.tokens):
+            raise bad_request(f"token ids must lie in [0, {gateway.served.vocab_size})", "tokens")
+        return {"prompt": await gateway.off_loop(lambda _, t: t.decode(request.tokens), None)}

@@ -28,6 +28,7 @@ from opentelemetry.trace import SpanKind
 
 from gateway.accounting import SpeculationStats, account
 from gateway.clients import Backends, DraftStream
+from gateway.logprobs import Logprobs
 from gateway.replicas import NoReplica, Route
 from gateway.rounds import TARGET_ONLY_STRETCH, GenerationPlan, Proposal, Round, round_attributes
 from gateway.verifier_client import RETRIED, decode, describe, detach, move, prefill, release, status_code, verify
@@ -52,20 +53,28 @@ async def generate(
     parent: Context | None = None,
     metrics: GatewayMetrics | None = None,
     crowded: Callable[[], bool] | None = None,
+    logprobs: Logprobs | None = None,
+    prefilled: asyncio.Future | None = None,
+    leads: bool = True,
 ) -> AsyncIterator[list[int]]:
     """Yields each round's new verified tokens; closing the iterator ends both sessions.
     Spans (prefill, one per round) are children of parent; each round feeds metrics.
     Target-only requests decode in one Decode stream; a speculative one decodes target-only
     stretches while its draft service is unavailable or, where the plan yields to load,
-    crowded() says too many requests run."""
+    crowded() says too many requests run. logprobs, where given, gets the prompt's (where the
+    plan asks) and each token's (where its sampling asks) as they come. prefilled: shared by
+    the choices of one request: the first (leads) sets it to its session once prefilled, the
+    others wait for it and have the verifier copy that session's cache of the prompt."""
     if not plan.yields_to_load:
         crowded = None
-    session = _Session(backends, plan, uuid.uuid4().hex)
+    session = _Session(backends, plan, uuid.uuid4().hex, logprobs)
     try:
         with span("prefill", context=parent):
-            first = await prefill(session)
-        session.accept([first])
-        yield [first]
+            response = await _first_prefill(session, prefilled, leads)
+        if plan.max_tokens == 0:  # the prompt's logprobs only (echo)
+            return
+        session.accept([response.next_token_id], _next_logprob(response))
+        yield [response.next_token_id]
         generated = 1
         while generated < plan.max_tokens:
             remaining = plan.max_tokens - generated
@@ -88,11 +97,29 @@ async def generate(
                     round_span.set_attributes(round_attributes(round_))
             account(round_, stats, metrics)
             session.observe(round_)
-            session.accept(round_.new_tokens)
+            session.accept(round_.new_tokens, round_.logprobs)
             generated += len(round_.new_tokens)
             yield round_.new_tokens
     finally:
+        if prefilled is not None and leads and not prefilled.done():
+            prefilled.set_result("")  # its prefill failed: each other choice prefills itself
         await _close_detached(backends, session)
+
+
+async def _first_prefill(session, prefilled: asyncio.Future | None, leads: bool) -> verify_pb2.PrefillResponse:
+    """A request's first prefill: the prompt's logprobs where asked; a choice after the first
+    has the verifier copy the first's cache of the prompt."""
+    source = await asyncio.shield(prefilled) if prefilled is not None and not leads else ""
+    response = await prefill(session, session.plan.prompt_logprobs, source)
+    if prefilled is not None and leads:
+        prefilled.set_result(session.id)
+    if session.logprobs is not None:
+        session.logprobs.prompt = list(response.prompt_logprobs)
+    return response
+
+
+def _next_logprob(response: verify_pb2.PrefillResponse) -> list:
+    return [response.next_token_logprob] if response.HasField("next_token_logprob") else []
 
 
 async def _close_detached(backends: Backends, session) -> None:
@@ -107,8 +134,9 @@ class _Session:
     draft service's rounds), and the proposal drafted ahead for the next round when
     pipelining."""
 
-    def __init__(self, backends: Backends, plan: GenerationPlan, session_id: str):
+    def __init__(self, backends: Backends, plan: GenerationPlan, session_id: str, logprobs: Logprobs | None = None):
         self.backends = backends
+        self.logprobs = logprobs
         self.plan = plan
         self.id = session_id
         self.sampling = plan.sampling.to_proto()
@@ -128,10 +156,12 @@ class _Session:
         self.stretch = TARGET_ONLY_STRETCH[0]
         self.pipeline = _Pipeline(self)  # drafting ahead: a draft service's rounds only
 
-    def accept(self, tokens: list[int]) -> None:
+    def accept(self, tokens: list[int], logprobs=()) -> None:
         """The one place a request's sequence grows: tokens the verifier decided, in order
-        (docs/design.md, invariant 3)."""
+        (docs/design.md, invariant 3), with their logprobs where asked."""
         self.sequence.extend(tokens)
+        if self.logprobs is not None and self.plan.sampling.logprobs:
+            self.logprobs.tokens.extend(logprobs)
 
     def next_stretch(self, remaining: int, busy: bool) -> tuple[Speculation | None, int] | None:
         """How the next tokens are made: (speculation, tokens) for a Decode stream, the
@@ -186,7 +216,7 @@ class _Session:
             try:
                 async with aclosing(decode(self, request, parent)) as rounds:
                     async for round_ in rounds:
-                        self.accept(round_.new_tokens)
+                        self.accept(round_.new_tokens, round_.logprobs)
                         remaining -= len(round_.new_tokens)
                         if speculation is None:
                             self.observe(round_)
@@ -201,8 +231,9 @@ class _Session:
                     move(self)  # another replica prefills it, where one is up
             started = time.perf_counter()
             with span("prefill", context=parent):
-                token = await prefill(self)
-            self.accept([token])
+                response = await prefill(self)
+            token = response.next_token_id
+            self.accept([token], _next_logprob(response))
             remaining -= 1
             yield Round(
                 new_tokens=[token],
@@ -226,9 +257,10 @@ class _Session:
         verify_s = time.perf_counter() - started
         await self.pipeline.settle(ahead, drafts, proposal.bonus_guess, response)
         if response is None:  # the verifier lost the session: prefilled again, one token
-            new = [await prefill(self)]
+            prefilled = await prefill(self)
             return Round(
-                new_tokens=new,
+                new_tokens=[prefilled.next_token_id],
+                logprobs=tuple(_next_logprob(prefilled)),
                 k=0,
                 num_accepted=0,
                 batch_size=1,
@@ -254,6 +286,7 @@ class _Session:
             wire_bytes=wire_bytes,
             pipelined=proposal.seconds == 0 and bool(drafts),
             tree=bool(proposal.parents),
+            logprobs=tuple(response.logprobs),
         )
 
     async def close(self) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import re
+import time
 import uuid
 from typing import TYPE_CHECKING
 
@@ -22,8 +24,10 @@ if TYPE_CHECKING:
     from gateway.app import Gateway
 
 log = logging.getLogger("gateway.app")
+access = logging.getLogger("gateway.access")
 
 OPEN_PATHS = ("/health", "/metrics")  # no API key: probes and Prometheus's scrapes
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # bodies bounded, as the API's
 
 GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -48,19 +52,25 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        request_id = uuid.uuid4().hex
+        request_id = _request_id(dict(scope["headers"]).get(b"x-request-id"))
         scope.setdefault("state", {})["request_id"] = request_id
-        started = False
+        started, status, since = False, 0, time.perf_counter()
 
         async def send_with_id(message):
-            nonlocal started
+            nonlocal started, status
             if message["type"] == "http.response.start":
-                started = True
+                started, status = True, message["status"]
                 message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
             await send(message)
 
         try:
-            await self._guarded(scope, receive, send_with_id)
+            try:
+                await self._guarded(scope, receive, send_with_id)
+            finally:
+                if scope["path"] not in OPEN_PATHS:  # an access log line per request (probes and scrapes aside)
+                    client = (scope.get("client") or ("-", 0))[0]
+                    access.info('%s "%s %s" %d %.3fs request_id=%s', client, scope["method"], scope["path"],
+                                status or 500, time.perf_counter() - since, request_id)  # fmt: skip
         except Exception as error:  # noqa: BLE001 - the last resort: no request takes the gateway down
             log.exception("request %s failed unexpectedly: %s %s", request_id, scope["method"], scope["path"])
             if not started:
@@ -76,7 +86,7 @@ class Guard:
         if self.gateway.served is None and scope["path"] not in OPEN_PATHS:
             error = ApiError(503, "the gateway is starting: its verify service has not answered yet", code="starting")
             return await error_response(error, {"Retry-After": "2"})(scope, receive, send)
-        if not (scope["method"] == "POST" and scope["path"].startswith("/v1/")):
+        if not (scope["method"] == "POST" and (scope["path"].startswith("/v1/") or scope["path"] in TOKENIZER_PATHS)):
             return await self.app(scope, receive, send)
         limit = self.gateway.config.max_body_bytes
         too_large = ApiError(413, f"request bodies are limited to {limit} bytes", code="too_large")
@@ -104,6 +114,15 @@ class Guard:
         if valid:
             scope["state"]["tenant"] = hashlib.sha256(key).hexdigest()[:32]
         return valid
+
+
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
+
+
+def _request_id(sent: bytes | None) -> str:
+    """The client's X-Request-Id where it sent a plausible one (printable, at most 128
+    characters), else a new one."""
+    return sent.decode() if sent is not None and _REQUEST_ID.fullmatch(sent) else uuid.uuid4().hex
 
 
 async def _read_body(receive, limit: int) -> bytes | None:

@@ -14,7 +14,7 @@ from specserve.serving.telemetry import start_span
 
 
 class RequestObserver:
-    def __init__(self, metrics: GatewayMetrics, chat: bool, model: str, plan: GenerationPlan):
+    def __init__(self, metrics: GatewayMetrics, chat: bool, model: str, plan: GenerationPlan, request_id: str = ""):
         self.metrics = metrics
         self.started = time.perf_counter()
         self.last_token_at: float | None = None
@@ -27,6 +27,8 @@ class RequestObserver:
                 "gen_ai.request.model": model,
                 "gen_ai.request.max_tokens": plan.max_tokens,
                 "gen_ai.request.temperature": plan.sampling.temperature,
+                "gen_ai.request.top_p": plan.sampling.top_p,
+                "specserve.request_id": request_id,
                 "gen_ai.usage.input_tokens": len(plan.prompt_token_ids),
                 "specserve.speculation.method": plan.method,
                 "specserve.speculation.num_speculative_tokens": plan.num_speculative_tokens,
@@ -47,9 +49,12 @@ class RequestObserver:
                 self.metrics.itl.observe((now - self.last_token_at) / count)
         self.last_token_at = now
 
-    def finish(self, output_tokens: int, finish_reason: str | None, error: BaseException | None = None) -> None:
+    def finish(
+        self, output_tokens: int, finish_reason: str | None, error: BaseException | None = None, response_id: str = ""
+    ) -> None:
         if self.finished:
             return
+        self.span.set_attribute("gen_ai.response.id", response_id)
         self.finished = True
         self.metrics.requests_running.dec()
         self.metrics.e2e.observe(time.perf_counter() - self.started)

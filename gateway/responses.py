@@ -4,6 +4,7 @@ usage (and, when asked, the rounds' timings); a client that leaves ends its requ
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -20,6 +21,7 @@ from gateway.accounting import SpeculationStats
 from gateway.errors import ApiError
 from gateway.generation import generate
 from gateway.guard import GRPC_TO_HTTP
+from gateway.logprobs import ChoiceOutputs
 from gateway.observe import RequestObserver
 from gateway.replicas import NoReplica
 from gateway.rounds import GenerationPlan
@@ -44,14 +46,19 @@ class _Response:
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
 
-    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None, first: bool = False) -> dict:
+    def chunk(
+        self, index: int, text: str, token_ids: list[int], finish_reason: str | None, first: bool, extra: dict
+    ) -> dict:
+        """A stream's chunk of choice index; extra: its logprobs (and prompt_logprobs,
+        prompt_token_ids), where asked."""
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = token_ids
+        choice.update(extra)
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -59,41 +66,45 @@ class _Response:
         body["usage"] = usage
         return body
 
-    def full(self, text: str, token_ids: list[int], finish_reason: str | None, usage: dict) -> dict:
+    def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None, extra: dict) -> dict:
         if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
+            message = {"role": "assistant", "content": text}
+            choice = {"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = token_ids
-        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
+        choice.update(extra)
+        return choice
+
+    def full(self, choices: list[dict], usage: dict) -> dict:
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         body["usage"] = usage
         return body
 
 
-def _usage(plan: GenerationPlan, assembler: TextAssembler, stats: SpeculationStats, timings: bool) -> dict:
-    completion = len(assembler.token_ids)
-    prompt = len(plan.prompt_token_ids)
+def _usage(runs: list[_Run]) -> dict:
+    """The request's usage: its prompt once, every choice's tokens (the choices share one
+    SpeculationStats)."""
+    completion = sum(len(run.assembler.token_ids) for run in runs)
+    prompt = len(runs[0].plan.prompt_token_ids)
+    stats = runs[0].stats
     usage = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "speculation": stats.as_dict(),
     }
-    if timings:
+    if runs[0].timings:
         usage["timings"] = stats.timings.as_dict()
     return usage
 
 
 @dataclass
 class _Run:
-    """One request's generation: its rounds, text, counters and observer."""
+    """One choice's generation: its rounds, text, counters and observer."""
 
+    index: int
     plan: GenerationPlan
     rounds: AsyncIterator[list[int]]
     assembler: TextAssembler
@@ -101,57 +112,84 @@ class _Run:
     observer: RequestObserver
     response: _Response
     timings: bool
+    outputs: ChoiceOutputs
 
     def add(self, tokens: list[int]):
         delta = self.assembler.add(tokens)
         self.observer.on_tokens(len(delta.token_ids))
         return delta
 
-    def usage(self) -> dict:
-        return _usage(self.plan, self.assembler, self.stats, self.timings)
+    def choice(self, text: str) -> dict:
+        extra = self.outputs.extra(self.assembler.token_ids, first=True)
+        text = self.outputs.echoed(text)
+        return self.response.choice(self.index, text, self.assembler.token_ids, self.assembler.finish_reason, extra)
 
     async def close(self, error: BaseException | None = None) -> None:
         await self.rounds.aclose()
-        self.observer.finish(len(self.assembler.token_ids), self.assembler.finish_reason, error)
+        self.observer.finish(len(self.assembler.token_ids), self.assembler.finish_reason, error, self.response.id)
+
+
+def choice_plan(plan: GenerationPlan, index: int) -> GenerationPlan:
+    """Choice index's plan: choice i draws with the request's seed + i, so each choice of a
+    seeded request reproduces, and the choices differ."""
+    if index == 0:
+        return plan
+    return dataclasses.replace(
+        plan, sampling=dataclasses.replace(plan.sampling, seed=(plan.sampling.seed + index) % 2**64)
+    )
 
 
 async def respond(gateway: Gateway, request, plan: GenerationPlan, chat: bool, http: Request | None = None):
+    """The answer to a completion of request.n choices (each its own rounds, at once)."""
     stats = SpeculationStats()
-    observer = RequestObserver(gateway.metrics, chat, gateway.served.name, plan)
-    run = _Run(
-        plan=plan,
-        rounds=generate(gateway.clients, plan, stats, observer.context, gateway.metrics, gateway.crowded),
-        assembler=TextAssembler(
-            gateway.tokenizer, gateway.served.eos_token_ids, request.stop_strings(), plan.max_tokens
-        ),
-        stats=stats,
-        observer=observer,
-        response=_Response(chat, gateway.served.name, request.return_token_ids),
-        timings=request.return_timings,
+    request_id = http.scope["state"].get("request_id", "") if http is not None else ""
+    response = _Response(chat, gateway.served.name, request.return_token_ids)
+    runs = []
+    # The choices share the prompt's prefill: the first prefills, the others copy its cache.
+    shared = (
+        asyncio.get_running_loop().create_future() if (request.n or 1) > 1 and plan.prompt_logprobs is None else None
     )
+    for index in range(request.n or 1):
+        choice = choice_plan(plan, index)
+        observer = RequestObserver(gateway.metrics, chat, gateway.served.name, choice, request_id)
+        outputs = ChoiceOutputs(gateway.tokenizer, request, choice, chat)
+        rounds = generate(
+            gateway.clients, choice, stats, observer.context, gateway.metrics, gateway.crowded, outputs.logprobs,
+            shared, leads=index == 0,
+        )  # fmt: skip
+        assembler = TextAssembler(
+            gateway.tokenizer, gateway.served.eos_token_ids, request.stop_strings(), plan.max_tokens
+        )
+        if plan.max_tokens == 0:
+            assembler.finish_reason = "length"  # the prompt's logprobs only
+        runs.append(_Run(index, choice, rounds, assembler, stats, observer, response, request.return_timings, outputs))
     if request.stream:
+        firsts = []
         try:
-            first = await run.rounds.__anext__()  # a failed prefill is still an HTTP error, not an event
+            for run in runs:  # a failed prefill is still an HTTP error, not an event
+                firsts.append(await anext(run.rounds, []))  # []: max_tokens 0, nothing made
         except BaseException as error:
-            await run.close(error)
+            for run in runs:
+                await run.close(error)
             raise
-        return StreamingResponse(_stream(run, first, request.include_usage()), media_type="text/event-stream")
+        return StreamingResponse(_stream(runs, firsts, request.include_usage()), media_type="text/event-stream")
     # A plain request's client may leave (a timeout): its generation stops there, and its
     # sessions are freed at once (a stream's is stopped by the response itself).
-    whole = asyncio.ensure_future(_whole(run))
+    wholes = [asyncio.ensure_future(_whole(run)) for run in runs]
     gone = asyncio.ensure_future(_disconnected(http)) if http is not None else None
     try:
-        await asyncio.wait([whole] + ([gone] if gone else []), return_when=asyncio.FIRST_COMPLETED)
+        everything = asyncio.gather(*wholes)
+        await asyncio.wait([everything] + ([gone] if gone else []), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not whole.done():
-            whole.cancel()
-            await asyncio.wait([whole])
+        if not everything.done():
+            everything.cancel()
+            await asyncio.wait(wholes)
         if gone is not None:
             gone.cancel()
-    if whole.cancelled():
+    if any(whole.cancelled() for whole in wholes):
         return Response(status_code=499)  # nobody reads it
-    text = whole.result()
-    return run.response.full(text, run.assembler.token_ids, run.assembler.finish_reason, run.usage())
+    choices = [run.choice(whole.result()) for run, whole in zip(runs, wholes)]
+    return response.full(choices, _usage(runs))
 
 
 async def _whole(run: _Run) -> str:
@@ -178,14 +216,18 @@ async def _disconnected(http: Request) -> None:
         pass
 
 
-async def _stream(run: _Run, first: list[int], include_usage: bool) -> AsyncIterator[str]:
-    error = None
+async def _chunks(run: _Run, first: list[int], out: asyncio.Queue) -> None:
+    """One choice's chunks into out, then None; its failure in their place."""
+    tokens, is_first = first, True
     try:
-        tokens, is_first = first, True
         while True:
             delta = run.add(tokens)
             if delta.text or delta.finish_reason or is_first or (run.response.return_token_ids and delta.token_ids):
-                yield _sse(run.response.chunk(delta.text, delta.token_ids, delta.finish_reason, first=is_first))
+                extra = run.outputs.extra(run.assembler.token_ids, first=is_first)
+                text = run.outputs.echoed(delta.text) if is_first else delta.text
+                await out.put(
+                    run.response.chunk(run.index, text, delta.token_ids, delta.finish_reason, is_first, extra)
+                )
             is_first = False
             if run.assembler.finished:
                 break
@@ -193,8 +235,28 @@ async def _stream(run: _Run, first: list[int], include_usage: bool) -> AsyncIter
                 tokens = await run.rounds.__anext__()
             except StopAsyncIteration:
                 break
+        await out.put(None)
+    except Exception as failure:  # noqa: BLE001 - the stream ends in an error event
+        await out.put(failure)
+
+
+async def _stream(runs: list[_Run], firsts: list[list[int]], include_usage: bool) -> AsyncIterator[str]:
+    """Every choice's chunks as they come, then the usage (asked) and [DONE]."""
+    error = None
+    out: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.ensure_future(_chunks(run, first, out)) for run, first in zip(runs, firsts)]
+    try:
+        left = len(runs)
+        while left:
+            item = await out.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield _sse(item)
         if include_usage:
-            yield _sse(run.response.usage_chunk(run.usage()))
+            yield _sse(runs[0].response.usage_chunk(_usage(runs)))
     except grpc.aio.AioRpcError as failure:
         error = failure
         log.warning("stream failed: %s: %s", failure.code().name, failure.details())
@@ -208,7 +270,11 @@ async def _stream(run: _Run, first: list[int], include_usage: bool) -> AsyncIter
         log.exception("stream failed unexpectedly")
         yield _sse(ApiError(500, "internal error", code="internal_error").body())
     finally:
-        await run.close(error)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for run in runs:
+            await run.close(error)
     yield "data: [DONE]\n\n"
 
 

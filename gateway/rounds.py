@@ -26,6 +26,7 @@ class GenerationPlan:
     yields_to_load: bool = True  # decodes target-only while crowded() (a seeded sampled request does not)
     local: bool = False  # the verifier drafts for this method itself: all rounds in one Decode stream
     tree: TreeShape | None = None  # each round a token tree of this shape (adaptive: where it pays)
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs (echo, prompt_logprobs), this many top ones
     tenant: str = ""  # who the request is for (a hash of its API key): what method suffix may share
     isolated: bool = False  # method suffix learns from no other request (a seeded sampled one)
     lookahead: tuple[int, int, int] = (0, 0, 0)  # method lookahead's W, N, G (0: the verifier's default)
@@ -65,6 +66,7 @@ class Round:
     wire_bytes: int = 0
     pipelined: bool = False  # drafted during the previous round's verification
     tree: bool = False  # its drafts were a token tree (k its nodes, num_accepted the depth kept)
+    logprobs: tuple = ()  # its tokens' TokenLogprob messages, where the sampling asks
 
     @property
     def wire_seconds(self) -> float:
@@ -113,6 +115,7 @@ def decoded_round(response: verify_pb2.DecodeResponse, seconds: float, wire_byte
         verify_kernel_seconds=response.kernel_seconds,
         wire_bytes=wire_bytes,
         tree=response.tree,
+        logprobs=tuple(response.logprobs),
     )
 
 

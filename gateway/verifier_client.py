@@ -33,11 +33,19 @@ VERIFY_SERVICE = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_na
 RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # the verifier may be restarting
 
 
-async def prefill(session) -> int:
-    """The session's sequence prefilled on its verifier replica; the next token."""
-    request = verify_pb2.PrefillRequest(session_id=session.id, token_ids=session.sequence, sampling=session.sampling)
-    response = await call_verifier(session, "Prefill", request)
-    return response.next_token_id
+async def prefill(session, prompt_logprobs: int | None = None, copy_of: str = "") -> verify_pb2.PrefillResponse:
+    """The session's sequence prefilled on its verifier replica: the next token (its logprob
+    where the sampling asks), and the prompt's logprobs with prompt_logprobs top ones, asked;
+    copy_of: a session of the same prompt whose cache the verifier may copy."""
+    request = verify_pb2.PrefillRequest(
+        session_id=session.id,
+        token_ids=session.sequence,
+        sampling=session.sampling,
+        prompt_logprobs=prompt_logprobs is not None,
+        prompt_top_logprobs=prompt_logprobs or 0,
+        copy_of=copy_of,
+    )
+    return await call_verifier(session, "Prefill", request)
 
 
 RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # the verifier may be restarting

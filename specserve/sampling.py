@@ -53,10 +53,13 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    logprobs: bool = False  # return each token's logprob (specserve/logprobs.py)
+    top_logprobs: int = 0  # and the likeliest tokens' beside it, at most 20
 
     def __post_init__(self) -> None:
         problem = sampling_problem(self.temperature, self.top_p, self.top_k, self.seed)
         require(problem is None, problem[0] if problem else "")
+        require(0 <= self.top_logprobs <= 20, "top_logprobs must lie in 0..20")  # specserve.logprobs.MAX_TOP_LOGPROBS
 
     @property
     def is_greedy(self) -> bool:
@@ -66,11 +69,23 @@ class SamplingParams:
     def from_proto(cls, message: common_pb2.SamplingParams) -> SamplingParams:
         # On the wire 0 means unset for top_p (proto3 default), i.e. keep every token.
         top_p = message.top_p if message.top_p != 0 else 1.0
-        return cls(temperature=message.temperature, top_p=top_p, top_k=message.top_k, seed=message.seed)
+        return cls(
+            temperature=message.temperature,
+            top_p=top_p,
+            top_k=message.top_k,
+            seed=message.seed,
+            logprobs=message.logprobs,
+            top_logprobs=message.top_logprobs,
+        )
 
     def to_proto(self) -> common_pb2.SamplingParams:
         return common_pb2.SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs,
         )
 
 

@@ -303,7 +303,7 @@ BAD_REQUESTS = [
     ({"prompt": "x", "speculation": {"tree": [2, 1], "method": "ngram"}}, 400, "speculation.tree"),
     ({"prompt": "x", "speculation": {"tree": [4, 4]}}, 400, "speculation.tree"),
     ({"prompt": "x", "model": "no-such-model"}, 404, "model"),
-    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "n": 17}, 400, "n"),
     ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": "x", "stop": [""]}, 400, "stop"),

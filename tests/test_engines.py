@@ -14,6 +14,7 @@ from specserve.model.loading import load_model
 from specserve.sampling import SamplingParams
 from specserve.serving.batching import Again
 from verify_service.config import VerifyConfig
+from verify_service.decisions import stop_at_end_of_sequence
 from verify_service.engine import Verifier
 from verify_service.jobs import DecodeJob, PrefillJob, ReleaseJob, VerifyJob
 
@@ -286,9 +287,10 @@ def test_the_verifiers_own_rounds_make_the_target_only_tokens_and_stop_at_max_to
 def test_a_round_ends_at_an_accepted_end_of_sequence_draft(tiny_pair):
     verifier = _colocated_verifier(tiny_pair)
     eos = verifier.loaded.eos_token_ids[0]
-    assert verifier._stop_at_end_of_sequence((5, eos, 6), 3, 9) == (1, eos)  # kept d_1, then EOS ends it
-    assert verifier._stop_at_end_of_sequence((5, eos, 6), 1, 9) == (1, 9)  # EOS was not kept: as decided
-    assert verifier._stop_at_end_of_sequence((), 0, eos) == (0, eos)
+    eos_ids = verifier.loaded.eos_token_ids
+    assert stop_at_end_of_sequence((5, eos, 6), 3, 9, eos_ids) == (1, eos)  # kept d_1, then EOS ends it
+    assert stop_at_end_of_sequence((5, eos, 6), 1, 9, eos_ids) == (1, 9)  # EOS was not kept: as decided
+    assert stop_at_end_of_sequence((), 0, eos, eos_ids) == (0, eos)
 
 
 def test_a_token_past_the_drafts_own_vocabulary_is_refused_not_an_index_error(tiny_pair):
@@ -328,3 +330,26 @@ def test_a_prefill_beside_its_sessions_release_makes_no_session(tiny_pair):
     results = verifier.step([PrefillJob("left", (4, 5), GREEDY), ReleaseJob("left")])
     assert isinstance(results[0], FailedPrecondition) and "left" not in verifier.sessions
     assert verifier.backend.in_use == 0
+
+
+def test_a_prefill_may_copy_another_sessions_cache_of_its_prompt(tiny_pair, monkeypatch):
+    """n choices share one prefill: a session prefilled with copy_of another that holds the same
+    prompt feeds only its last token, and decodes what a full prefill would; where the other
+    holds another prompt, it prefills in full."""
+    verifier = _colocated_verifier(tiny_pair)
+    copies = []
+    original = verifier.backend.copy_prefix
+    monkeypatch.setattr(verifier.backend, "copy_prefix", lambda *args: copies.append(args[2]) or original(*args))
+    prompt = (3, 9, 27, 81, 243, 4, 12)
+    _, alone = _decode(verifier, "first", prompt, 9)
+    made = []
+    verifier.step([PrefillJob("second", prompt, GREEDY, copy_of="first")])
+    job = DecodeJob("second", len(prompt) + 1, 9, None, made.append, threading.Event())
+    first = verifier.step([PrefillJob("third", prompt, GREEDY, copy_of="first")])[0]
+    while isinstance(result := verifier.step([job])[0], Again):
+        job = result.item
+    assert copies == [len(prompt) - 1, len(prompt) - 1]
+    assert first.next_token_id == verifier.sessions["first"].tokens[len(prompt)]
+    assert [o.next_token_id for o in made] == [o.next_token_id for o in alone]
+    verifier.step([PrefillJob("other", (5, 6, 7), GREEDY, copy_of="first")])  # not its prompt: in full
+    assert copies == [len(prompt) - 1, len(prompt) - 1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from specserve.logprobs import token_logprobs
 from specserve.sampling import processed_probs, tree_verify_noise, verify_noise
 from specserve.trees import depths
 from specserve_kernels.rejection import greedy_verify, rejection_sample
@@ -169,3 +170,25 @@ def pad_rows(
 def unpack(output: torch.Tensor, num_accepted: torch.Tensor) -> list[tuple[int, int]]:
     output, num_accepted = output.cpu(), num_accepted.cpu()
     return [(int(n), int(output[b, n])) for b, n in enumerate(num_accepted.tolist())]
+
+
+def logprobs_of(row, made: list[int]) -> dict:
+    """A decided row's logprobs (Outcome fields), where its sampling asks for them: each token
+    made (the accepted ones, then the next) from the logits of its position, a tree's path's
+    nodes; and a prefill's prompt tokens', where asked, from the second on."""
+    out = {}
+    top = row.sampling.top_logprobs
+    if row.sampling.logprobs:
+        at = list(range(len(made))) if row.path is None else [0, *row.path][: len(made)]
+        out["logprobs"] = tuple(token_logprobs(row.logits[at], made, top))
+    if row.prompt_logits is not None:
+        out["prompt_logprobs"] = tuple(token_logprobs(row.prompt_logits, row.feed[1:], row.prompt_top))
+    return out
+
+
+def stop_at_end_of_sequence(drafts: tuple[int, ...], num_accepted: int, next_token: int, eos: tuple) -> tuple[int, int]:
+    """A round ends at an accepted end-of-sequence draft: it becomes the round's last token."""
+    for i, token in enumerate(drafts[:num_accepted]):
+        if token in eos:
+            return i, token
+    return num_accepted, next_token

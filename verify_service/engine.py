@@ -20,47 +20,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from specserve.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, require
+from specserve.logprobs import MAX_TOP_LOGPROBS
 from specserve.model.backends import ForwardRow, forward_in_budget
 from specserve.model.loading import LoadedModel
-from specserve.protocol import SparseDistribution, check_token_ids
+from specserve.protocol import check_token_ids
 from specserve.sampling import SamplingParams
 from specserve.serving.batching import Again
 from specserve.serving.metrics import ServiceMetrics
 from verify_service.config import VerifyConfig
-from verify_service.decisions import decide
-from verify_service.jobs import DecodeJob, Job, Outcome, PrefillJob, ReleaseJob, Session, SweepJob, VerifyJob
+from verify_service.decisions import decide, logprobs_of, stop_at_end_of_sequence
+from verify_service.jobs import DecodeJob, Job, Outcome, PrefillJob, ReleaseJob, Row, Session, SweepJob, VerifyJob
 from verify_service.local_drafts import DraftTiming, LocalDrafting
 from verify_service.tree_rounds import check_tree, check_tree_speculation, keep_path, split_window, tree_nodes
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Row:
-    """One session's share of a batch: what it feeds the forward, then its logits."""
-
-    session_id: str
-    session: Session
-    feed: list[int]  # tokens appended to the cache: the prompt, or [last verified, d_1..d_K]
-    drafts: tuple[int, ...]
-    distributions: tuple[SparseDistribution, ...]
-    sampling: SamplingParams
-    first_position: int  # sequence position of d_1 (or of the token after a prefill)
-    is_new: bool  # a prefill that opened a new KV sequence
-    is_prefill: bool
-    logits: torch.Tensor | None = None  # [num_draft + 1, vocab] float32
-    argmax: list[int] | None = None  # of each of the logits, where the forward made it with them
-    batch_size: int = field(default=1)
-    drafted_locally: bool = False  # a speculative decode's round with drafts, the verifier's own
-    parents: list[int] | None = None  # a token tree's: the parent of each node of feed (root -1)
-    path: list[int] | None = None  # a token tree's nodes kept, from its decision
-    window: int = 0  # a lookahead round's last nodes: its Jacobi window, which the decision does not read
-    window_whole: bool = True  # whether all of the window's nodes were fed (a tree pruned to free slots: not)
 
 
 class Verifier:
@@ -76,15 +53,15 @@ class Verifier:
         self.loaded = loaded
         self.backend = loaded.backend
         self.config = config
-        self.sessions: dict[str, Session] = {}
         self.metrics = metrics
         self.local = local
+        self.sessions: dict[str, Session] = {}
 
     def step(self, jobs: list[Job]) -> list[Outcome | Again | None | BaseException]:
         """Processes one batch: one forward for every session, one kernel call per sampling
         mode; a decode with tokens still to make comes back as Again, for the next batch."""
         results: list[Outcome | Again | None | BaseException] = [None] * len(jobs)
-        rows: list[tuple[int, _Row]] = []
+        rows: list[tuple[int, Row]] = []
         claimed: set[str] = set()
         # Releases first: no row of a batch may run on a cache slot freed in the same batch.
         for job in jobs:
@@ -180,10 +157,6 @@ class Verifier:
             self.metrics.active_sessions.set(len(self.sessions))
             self.metrics.kv_slots_in_use.set(self.backend.in_use)
 
-    @property
-    def active_sessions(self) -> int:
-        return len(self.sessions)
-
     def _sweep(self, now: float) -> None:
         idle = [sid for sid, session in self.sessions.items() if now - session.last_used > self.config.session_ttl_s]
         for session_id in idle:
@@ -200,7 +173,7 @@ class Verifier:
             self.metrics.active_sessions.set(len(self.sessions))
             self.metrics.kv_slots_in_use.set(self.backend.in_use)
 
-    def _prepare(self, job: PrefillJob | VerifyJob | DecodeJob) -> _Row:
+    def _prepare(self, job: PrefillJob | VerifyJob | DecodeJob) -> Row:
         if isinstance(job, PrefillJob):
             return self._prepare_prefill(job)
         if isinstance(job, DecodeJob):
@@ -244,7 +217,7 @@ class Verifier:
             )
         session.drafts = self.local.session_drafts(session.drafts, job.speculation)
 
-    def _draft_locally(self, jobs: list[Job], rows: list[tuple[int, _Row]]) -> DraftTiming | None:
+    def _draft_locally(self, jobs: list[Job], rows: list[tuple[int, Row]]) -> DraftTiming | None:
         """Drafts every speculative decode's round at once, before the batch's forward: each
         row's K from its session's chooser, its drafts into the row."""
         speculative = [(jobs[i], row) for i, row in rows if isinstance(jobs[i], DecodeJob) and jobs[i].speculation]
@@ -265,7 +238,7 @@ class Verifier:
                 row.window = proposal.window_nodes
         return timing
 
-    def _prepare_prefill(self, job: PrefillJob) -> _Row:
+    def _prepare_prefill(self, job: PrefillJob) -> Row:
         require(bool(job.session_id), "session_id must not be empty")
         require(len(job.token_ids) >= 1, "token_ids must not be empty")
         require(
@@ -284,11 +257,30 @@ class Verifier:
             self.backend.trim_branches()  # where no slot is free, token trees' branch slots go back first
             sequence, is_new = self.backend.open(), True  # raises ResourceExhausted when full
         session = Session(list(job.token_ids), sequence, job.sampling)
-        return _Row(
-            job.session_id, session, list(job.token_ids), (), (), job.sampling, len(job.token_ids), is_new, True
+        feed = list(job.token_ids)
+        if job.copy_of and job.prompt_logprobs is None and self._copied(job, sequence):
+            feed = feed[-1:]  # the rest is in the cache already, copied
+        row = Row(job.session_id, session, feed, (), (), job.sampling, len(job.token_ids), is_new, True)
+        if job.prompt_logprobs is not None:
+            require(
+                0 <= job.prompt_logprobs <= MAX_TOP_LOGPROBS, f"prompt_top_logprobs must lie in 0..{MAX_TOP_LOGPROBS}"
+            )
+            row.prompt_logits, row.prompt_top = torch.empty(0), job.prompt_logprobs  # asked for: the forward fills it
+        return row
+
+    def _copied(self, job: PrefillJob, sequence) -> bool:
+        """Copies into sequence the cache of job.token_ids but the last from session job.copy_of,
+        where it holds them (another choice of the same request); whether it did."""
+        source = self.sessions.get(job.copy_of) if job.copy_of != job.session_id else None
+        n = len(job.token_ids)
+        held = source is not None and n >= 2 and source.sequence.length >= n - 1
+        return (
+            held
+            and tuple(source.tokens[:n]) == job.token_ids
+            and self.backend.copy_prefix(source.sequence, sequence, n - 1)
         )
 
-    def _prepare_verify(self, job: VerifyJob) -> _Row:
+    def _prepare_verify(self, job: VerifyJob) -> Row:
         session = self.sessions.get(job.session_id)
         if session is None:
             raise FailedPrecondition(f"unknown session {job.session_id!r}; prefill it first", 0)
@@ -303,7 +295,7 @@ class Verifier:
             check_tree(job, sampling, self.backend.supports_trees)
         session.sequence.truncate(len(session.tokens) - 1)  # also undoes a forward whose batch failed
         feed = [session.tokens[-1], *job.draft_token_ids]
-        row = _Row(
+        row = Row(
             job.session_id,
             session,
             feed,
@@ -318,12 +310,18 @@ class Verifier:
             row.parents = [-1, *job.draft_parents]
         return row
 
-    def _forward(self, rows: list[_Row]) -> None:
+    def _forward(self, rows: list[Row]) -> None:
         chains = [row for row in rows if row.parents is None]
-        forward_rows = [ForwardRow(row.session.sequence, row.feed, len(row.drafts) + 1) for row in chains]
+        wanted = [len(row.feed) if row.prompt_logits is not None else len(row.drafts) + 1 for row in chains]
+        forward_rows = [ForwardRow(row.session.sequence, row.feed, n) for row, n in zip(chains, wanted)]
         results = forward_in_budget(self.backend, forward_rows, self.config.max_batched_tokens)
         for row, (logits, argmax) in zip(chains, results):
             row.logits, row.argmax = logits, argmax
+            if row.prompt_logits is not None:  # the prompt's positions aside: the decision reads the last
+                row.prompt_logits, row.logits = logits[:-1], logits[-1:]
+                row.argmax = argmax[-1:] if argmax is not None else None
+                sequence = row.session.sequence
+                sequence.hidden = sequence.hidden[-1:] if sequence.hidden is not None else None
         trees = [row for row in rows if row.parents is not None]
         if trees:
             parts = [tree_nodes(self.backend, row) for row in trees]
@@ -353,9 +351,9 @@ class Verifier:
         for i, (token, distribution) in enumerate(zip(job.draft_token_ids, job.draft_distributions)):
             require(distribution.prob_of(token) > 0, f"draft token {i} ({token}) has no mass in its own distribution")
 
-    def _commit(self, row: _Row, num_accepted: int, next_token: int) -> Outcome:
+    def _commit(self, row: Row, num_accepted: int, next_token: int) -> Outcome:
         kept = row.drafts if row.path is None else keep_path(self.backend, row)
-        num_accepted, next_token = self._stop_at_end_of_sequence(kept, num_accepted, next_token)
+        num_accepted, next_token = stop_at_end_of_sequence(kept, num_accepted, next_token, self.loaded.eos_token_ids)
         hidden = row.session.sequence.hidden  # of the rows whose logits the forward gave
         last = num_accepted if row.path is None else [0, *row.path][num_accepted]  # the next token's
         row.session.hidden = hidden[last].clone() if hidden is not None and last < hidden.shape[0] else None
@@ -374,11 +372,5 @@ class Verifier:
             accepted,
             len(row.drafts),
             tree=row.parents is not None,
+            **logprobs_of(row, [*accepted, next_token]),
         )
-
-    def _stop_at_end_of_sequence(self, drafts: tuple[int, ...], num_accepted: int, next_token: int) -> tuple[int, int]:
-        """A round ends at an accepted end-of-sequence draft: it becomes the round's last token."""
-        for i, token in enumerate(drafts[:num_accepted]):
-            if token in self.loaded.eos_token_ids:
-                return i, token
-        return num_accepted, next_token

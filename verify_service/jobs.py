@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.logprobs import TokenLogprob
 from specserve.model.backends import KVSequence
 from specserve.protocol import SparseDistribution
 from specserve.sampling import SamplingParams
@@ -22,6 +23,8 @@ class PrefillJob:
     session_id: str
     token_ids: tuple[int, ...]
     sampling: SamplingParams
+    prompt_logprobs: int | None = None  # each token's logprob after the tokens before it, with this many top ones
+    copy_of: str = ""  # a session whose cache of token_ids is copied, where it holds them
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ class Outcome:
     accepted_token_ids: tuple[int, ...] = ()  # the drafts kept, before next_token_id
     num_draft_tokens: int = 0  # K verified
     tree: bool = False  # the drafts were a token tree
+    logprobs: tuple[TokenLogprob, ...] = ()  # with sampling.logprobs: the accepted tokens', then next_token_id's
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # a prefill's, asked for: its tokens' from the second on
     # Wall-clock times (time.time_ns) of the batch this call ran in: drafting (colocated;
     # 0 when none), start of the forward, forward done, decision done. Spans and metrics are
     # made from them on the caller's thread.
@@ -111,3 +116,28 @@ class Session:
     # The target's normed hidden state [hidden] at the position whose logits gave the last
     # token (None on the transformers backend): Medusa heads draft the next round from it.
     hidden: torch.Tensor | None = field(default=None, repr=False)
+
+
+@dataclass
+class Row:
+    """One session's share of a verifier's batch: what it feeds the forward, then its logits."""
+
+    session_id: str
+    session: Session
+    feed: list[int]  # tokens appended to the cache: the prompt, or [last verified, d_1..d_K]
+    drafts: tuple[int, ...]
+    distributions: tuple[SparseDistribution, ...]
+    sampling: SamplingParams
+    first_position: int  # sequence position of d_1 (or of the token after a prefill)
+    is_new: bool  # a prefill that opened a new KV sequence
+    is_prefill: bool
+    logits: torch.Tensor | None = None  # [num_draft + 1, vocab] float32
+    argmax: list[int] | None = None  # of each of the logits, where the forward made it with them
+    batch_size: int = field(default=1)
+    drafted_locally: bool = False  # a speculative decode's round with drafts, the verifier's own
+    parents: list[int] | None = None  # a token tree's: the parent of each node of feed (root -1)
+    path: list[int] | None = None  # a token tree's nodes kept, from its decision
+    window: int = 0  # a lookahead round's last nodes: its Jacobi window, which the decision does not read
+    window_whole: bool = True  # whether all of the window's nodes were fed (a tree pruned to free slots: not)
+    prompt_logits: torch.Tensor | None = None  # a prefill's, asked for: of every prompt position but the last
+    prompt_top: int = 0  # the likeliest tokens' logprobs beside each prompt token's

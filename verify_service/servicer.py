@@ -62,7 +62,9 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
 
     def Prefill(self, request: verify_pb2.PrefillRequest, context) -> verify_pb2.PrefillResponse:
         started = time.perf_counter()
-        job = PrefillJob(request.session_id, tuple(request.token_ids), SamplingParams.from_proto(request.sampling))
+        sampling = SamplingParams.from_proto(request.sampling)
+        prompt = request.prompt_top_logprobs if request.prompt_logprobs else None
+        job = PrefillJob(request.session_id, tuple(request.token_ids), sampling, prompt, request.copy_of)
         outcome = self._run(job)
         self._metrics.prefills.inc()
         if not context.is_active():
@@ -73,6 +75,8 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             next_token_id=outcome.next_token_id,
             num_verified=outcome.num_verified,
             server_seconds=time.perf_counter() - started,
+            next_token_logprob=outcome.logprobs[0].to_proto() if outcome.logprobs else None,
+            prompt_logprobs=[logprob.to_proto() for logprob in outcome.prompt_logprobs],
         )
 
     def Verify(self, request: verify_pb2.VerifyRequest, context) -> verify_pb2.VerifyResponse:
@@ -87,6 +91,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             forward_seconds=outcome.forward_seconds,
             kernel_seconds=outcome.kernel_seconds,
             accepted_token_ids=outcome.accepted_token_ids,
+            logprobs=[logprob.to_proto() for logprob in outcome.logprobs],
         )
 
     def Decode(self, request: verify_pb2.DecodeRequest, context) -> Iterator[verify_pb2.DecodeResponse]:
@@ -125,6 +130,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                     num_draft_tokens=outcome.num_draft_tokens,
                     draft_seconds=outcome.draft_seconds,
                     tree=outcome.tree,
+                    logprobs=[logprob.to_proto() for logprob in outcome.logprobs],
                 )
                 since = outcome.decided_ns
             future.result()  # raises the decode's error, after the tokens made before it

@@ -111,6 +111,10 @@ class Backend(Protocol):
 
     def trim_branches(self) -> None: ...
 
+    def copy_prefix(self, source: KVSequence, target: KVSequence, length: int) -> bool:
+        """Makes target hold source's cache of its first length positions; whether it could."""
+        ...
+
 
 class RunnerBackend:
     name = "runner"
@@ -194,6 +198,12 @@ class RunnerBackend:
         if branch > 0:
             self.runner.copy_positions(sequence.branch_slots[branch - 1], sequence.slot, sequence.length, end)
         sequence.length = end
+
+    def copy_prefix(self, source: KVSequence, target: KVSequence, length: int) -> bool:
+        self.runner.copy_positions(source.slot, target.slot, 0, length)
+        target.length = length
+        target.branch_synced = [0] * len(target.branch_slots)  # their copies of it are stale
+        return True
 
     def trim_branches(self) -> None:
         """Gives every tree's branch slots back where no slot is free (a drafter's, between
@@ -306,6 +316,9 @@ class TransformersBackend:
     def trim_branches(self) -> None:
         pass
 
+    def copy_prefix(self, source: KVSequence, target: KVSequence, length: int) -> bool:
+        return False  # a choice of n prefills its prompt itself
+
 
 def forward_in_budget(
     backend: Backend, rows: list[ForwardRow], max_batched_tokens: int
@@ -336,7 +349,14 @@ def _run_group(backend: Backend, rows: list[ForwardRow], group: list[int], resul
 
 
 def _chunked(backend: Backend, row: ForwardRow, chunk: int) -> tuple[torch.Tensor, list[int] | None]:
+    """A long row in chunks; the logits of earlier chunks too where the row wants them (a
+    prompt's logprobs), then without their argmax."""
+    earlier = []
     for start in range(0, len(row.tokens) - chunk, chunk):
-        backend.forward([ForwardRow(row.sequence, row.tokens[start : start + chunk], 1)])
+        wanted = min(chunk, row.num_logits - (len(row.tokens) - start - chunk))  # of the row's last num_logits
+        logits = backend.forward([ForwardRow(row.sequence, row.tokens[start : start + chunk], max(1, wanted))])[0]
+        if wanted > 0:
+            earlier.append(logits[-wanted:])
     tail = row.tokens[(len(row.tokens) - 1) // chunk * chunk :]
-    return backend.forward_with_argmax([ForwardRow(row.sequence, tail, min(row.num_logits, len(tail)))])[0]
+    logits, argmax = backend.forward_with_argmax([ForwardRow(row.sequence, tail, min(row.num_logits, len(tail)))])[0]
+    return (torch.cat([*earlier, logits]), None) if earlier else (logits, argmax)

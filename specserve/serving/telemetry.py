@@ -34,9 +34,9 @@ def setup_tracing(default_service_name: str, console: bool, sample_ratio: float)
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
     name = os.environ.get("OTEL_SERVICE_NAME") or default_service_name
-    provider = TracerProvider(
-        resource=Resource.create({SERVICE_NAME: name}), sampler=ParentBased(TraceIdRatioBased(sample_ratio))
-    )
+    # OTEL_TRACES_SAMPLER (and its _ARG), where set, is the SDK's to read: no sampler is passed.
+    sampler = None if os.environ.get("OTEL_TRACES_SAMPLER") else ParentBased(TraceIdRatioBased(sample_ratio))
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}), sampler=sampler)
     if endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
@@ -45,7 +45,11 @@ def setup_tracing(default_service_name: str, console: bool, sample_ratio: float)
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     trace.set_tracer_provider(provider)
     log.info(
-        "tracing on: service %s, OTLP %s, console %s, sample ratio %g", name, endpoint or "off", console, sample_ratio
+        "tracing on: service %s, OTLP %s, console %s, sampler %s",
+        name,
+        endpoint or "off",
+        console,
+        os.environ.get("OTEL_TRACES_SAMPLER") or f"ratio {sample_ratio:g}",
     )
     return provider
 

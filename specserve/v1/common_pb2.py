@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/common.proto\x12\x0cspecserve.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"+\n\tTokenTree\x12\x0f\n\x07parents\x18\x01 \x03(\x05\x12\r\n\x05ranks\x18\x02 \x03(\x05\"\xcc\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x1e\n\x16max_speculative_tokens\x18\x05 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x15\n\rlocal_methods\x18\x08 \x03(\t\"\x12\n\x10ModelInfoRequestb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/common.proto\x12\x0cspecserve.v1\"y\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\r\"Z\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"+\n\tTokenTree\x12\x0f\n\x07parents\x18\x01 \x03(\x05\x12\r\n\x05ranks\x18\x02 \x03(\x05\"\xcc\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x1e\n\x16max_speculative_tokens\x18\x05 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x15\n\rlocal_methods\x18\x08 \x03(\t\"\x12\n\x10ModelInfoRequestb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.common_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=43
-  _globals['_SAMPLINGPARAMS']._serialized_end=124
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=126
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=180
-  _globals['_TOKENTREE']._serialized_start=182
-  _globals['_TOKENTREE']._serialized_end=225
-  _globals['_MODELINFO']._serialized_start=228
-  _globals['_MODELINFO']._serialized_end=432
-  _globals['_MODELINFOREQUEST']._serialized_start=434
-  _globals['_MODELINFOREQUEST']._serialized_end=452
+  _globals['_SAMPLINGPARAMS']._serialized_end=164
+  _globals['_TOKENLOGPROB']._serialized_start=166
+  _globals['_TOKENLOGPROB']._serialized_end=256
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=258
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=312
+  _globals['_TOKENTREE']._serialized_start=314
+  _globals['_TOKENTREE']._serialized_end=357
+  _globals['_MODELINFO']._serialized_start=360
+  _globals['_MODELINFO']._serialized_end=564
+  _globals['_MODELINFOREQUEST']._serialized_start=566
+  _globals['_MODELINFOREQUEST']._serialized_end=584
 # @@protoc_insertion_point(module_scope)

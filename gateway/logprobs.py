@@ -1,0 +1,140 @@
+"""Logprobs in OpenAI's and vLLM's shapes, from the TokenLogprob messages the verifier sends
+(specserve/logprobs.py): a completion's `logprobs` (tokens, token_logprobs, top_logprobs,
+text_offset; with echo the prompt's tokens first, the first of them without a logprob), a
+chat completion's `logprobs.content`, and vLLM's `prompt_logprobs`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprobs:
+    """A request's logprobs as its rounds bring them: the prompt's tokens' from the second on
+    (where asked), and each generated token's, in the order of the tokens."""
+
+    prompt: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)
+
+
+class LogprobFormat:
+    """One request's logprobs formatting: top is the likeliest tokens shown per position."""
+
+    def __init__(self, tokenizer, chat: bool, top: int):
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.top = top
+        self._text: dict[int, str] = {}
+
+    def text(self, token: int) -> str:
+        if token not in self._text:
+            self._text[token] = self.tokenizer.decode([token])
+        return self._text[token]
+
+    def completion(self, token_ids: list[int], records: list, offset: int, prompt: bool = False) -> dict:
+        """A completions `logprobs` object for token_ids (records: theirs; prompt: they are the
+        prompt's, its first token without one); offset: the text's length before them."""
+        tokens = [self.text(t) for t in token_ids]
+        records = ([None] if prompt and token_ids else []) + list(records)
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        top = []
+        for token, record in zip(token_ids, records):
+            if record is None:
+                top.append(None)
+                continue
+            shown = {self.text(i): v for i, v in zip(record.top_token_ids[: self.top], record.top_logprobs)}
+            shown[self.text(token)] = record.logprob  # the chosen token is always there (vLLM), its own value
+            top.append(shown)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if r is None else r.logprob for r in records],
+            "top_logprobs": top if self.top else None,
+            "text_offset": offsets,
+        }
+
+    def chat_content(self, token_ids: list[int], records: list) -> list[dict]:
+        """A chat completion's `logprobs.content` entries for token_ids."""
+        out = []
+        for token, record in zip(token_ids, records):
+            text = self.text(token)
+            alternatives = [
+                {"token": self.text(i), "logprob": v, "bytes": list(self.text(i).encode())}
+                for i, v in zip(record.top_token_ids[: self.top], record.top_logprobs)
+            ]
+            out.append(
+                {"token": text, "logprob": record.logprob, "bytes": list(text.encode()), "top_logprobs": alternatives}
+            )
+        return out
+
+    def prompt_logprobs(self, prompt_ids: list[int], records: list, top: int) -> list:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, then {token id:
+        {logprob, rank, decoded_token}} for it and the top likeliest."""
+        out: list = [None] if prompt_ids else []
+        for token, record in zip(prompt_ids[1:], records):
+            entry = {
+                str(i): _vllm(self.text(i), v, rank)
+                for rank, (i, v) in enumerate(zip(record.top_token_ids[:top], record.top_logprobs), start=1)
+            }
+            entry[str(token)] = _vllm(self.text(token), record.logprob, record.rank)
+            out.append(entry)
+        return out
+
+
+def _vllm(text: str, logprob: float, rank: int) -> dict:
+    return {"logprob": logprob, "rank": rank, "decoded_token": text}
+
+
+class ChoiceOutputs:
+    """What a choice carries beside its text, where the request asks: its tokens' logprobs
+    (in a stream, each chunk those of the tokens since the one before), echo's prompt first,
+    vLLM's prompt_logprobs and prompt_token_ids (with the first chunk)."""
+
+    def __init__(self, tokenizer, request, plan, chat: bool):
+        self.chat = chat
+        self.asked = plan.sampling.logprobs
+        self.prompt_ids = list(plan.prompt_token_ids)
+        self.logprobs = Logprobs() if self.asked or plan.prompt_logprobs is not None else None
+        self.format = LogprobFormat(tokenizer, chat, plan.sampling.top_logprobs)
+        self.echo = not chat and bool(getattr(request, "echo", False))
+        prompt = getattr(request, "prompt", None)
+        prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) else prompt
+        self.echo_text = prompt if isinstance(prompt, str) else tokenizer.decode(self.prompt_ids) if self.echo else ""
+        self.vllm_prompt = request.prompt_logprobs
+        self.prompt_token_ids = request.return_token_ids
+        self.sent = 0  # tokens whose logprobs went out
+        self.offset = 0  # text_offset of the next token
+
+    def echoed(self, text: str) -> str:
+        """The choice's first text: the prompt's before it, with echo."""
+        return self.echo_text + text if self.echo else text
+
+    def extra(self, token_ids: list[int], first: bool) -> dict:
+        """The choice's fields for the tokens of token_ids not yet sent (first: the choice's first)."""
+        out: dict = {}
+        if first and self.prompt_token_ids:
+            out["prompt_token_ids"] = self.prompt_ids
+        if first and self.vllm_prompt is not None:
+            out["prompt_logprobs"] = self.format.prompt_logprobs(
+                self.prompt_ids, self.logprobs.prompt, self.vllm_prompt
+            )
+        if not self.asked:
+            return out
+        ids, records = token_ids[self.sent :], self.logprobs.tokens[self.sent : len(token_ids)]
+        self.sent = len(token_ids)
+        if self.chat:
+            out["logprobs"] = {"content": self.format.chat_content(ids, records)}
+            return out
+        parts = []
+        if first and self.echo:
+            parts.append(self.format.completion(self.prompt_ids, self.logprobs.prompt, self.offset, prompt=True))
+            self.offset = parts[0]["text_offset"][-1] + len(parts[0]["tokens"][-1]) if self.prompt_ids else 0
+        parts.append(self.format.completion(ids, records, self.offset))
+        if parts[-1]["tokens"]:
+            self.offset = parts[-1]["text_offset"][-1] + len(parts[-1]["tokens"][-1])
+        merged = {key: [v for part in parts for v in part[key]] for key in ("tokens", "token_logprobs", "text_offset")}
+        merged["top_logprobs"] = [v for part in parts for v in part["top_logprobs"]] if self.format.top else None
+        out["logprobs"] = {k: merged[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        return out
