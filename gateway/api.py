@@ -8,7 +8,6 @@ K bounds) happens in `plan_for`, after parsing.
 from __future__ import annotations
 
 import json
-import secrets
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -16,10 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.clients import ServedModel
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, bad_request
+from gateway.request_sampling import logprob_settings, sampling_for
 from gateway.rounds import GenerationPlan
 from gateway.shapes import lookahead_of_request, tree_of_request
-from specserve.logprobs import MAX_TOP_LOGPROBS
-from specserve.sampling import SamplingParams, sampling_problem
 
 
 class Lookahead(BaseModel):
@@ -54,19 +52,12 @@ class StreamOptions(BaseModel):
 # with the values that ask for nothing (a request may send those); any other value is a
 # 400 that names the field, never a silent default.
 UNSUPPORTED = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
     "length_penalty": (1,),
-    "logit_bias": ({},),
     "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
     "functions": ([],),
     "function_call": ("none", "auto"),
-    "min_p": (0,),
-    "min_tokens": (0,),
-    "stop_token_ids": ([],),
     "ignore_eos": (False,),
     "use_beam_search": (False,),
     "include_stop_str_in_output": (False,),
@@ -79,7 +70,6 @@ UNSUPPORTED = {
     "guided_decoding_backend": (),
     "structured_outputs": (),
     "logits_processors": ([],),
-    "allowed_token_ids": ([],),
     "bad_words": ([],),
     "truncate_prompt_tokens": (),
     "prediction": (),
@@ -116,6 +106,14 @@ class _GenerationRequest(BaseModel):
     return_timings: bool = False
     logprobs: bool | int | None = None
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, with this many top ones
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -245,43 +243,6 @@ def _same(value, neutral) -> bool:
     return value == neutral
 
 
-def logprob_settings(request: _GenerationRequest) -> tuple[bool, int, int | None]:
-    """(each token's logprob asked, the likeliest tokens' shown beside it, the prompt tokens'
-    logprobs' top ones or None where not asked): completions' logprobs N; chat's logprobs and
-    top_logprobs; echo with logprobs and vLLM's prompt_logprobs ask for the prompt's."""
-    if isinstance(request, ChatCompletionRequest):
-        if request.logprobs not in (None, True, False):
-            raise bad_request("logprobs is true or false in a chat completion (top_logprobs: how many)", "logprobs")
-        asked, top, param = bool(request.logprobs), request.top_logprobs or 0, "top_logprobs"
-        if top and not asked:
-            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    else:
-        asked = request.logprobs is not None and request.logprobs is not False
-        top, param = (0 if isinstance(request.logprobs, bool) else request.logprobs or 0), "logprobs"
-    if not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise bad_request(f"{param} must lie in 0..{MAX_TOP_LOGPROBS}", param)
-    prompt = request.prompt_logprobs
-    if prompt is not None and not 0 <= prompt <= MAX_TOP_LOGPROBS:
-        raise bad_request(f"prompt_logprobs must lie in 0..{MAX_TOP_LOGPROBS}", "prompt_logprobs")
-    if isinstance(request, CompletionRequest) and request.echo and asked:
-        prompt = max(prompt or 0, top)
-    return asked, top, prompt
-
-
-def sampling_for(request: _GenerationRequest, vocab_size: int) -> SamplingParams:
-    temperature = 1.0 if request.temperature is None else request.temperature
-    top_p = 1.0 if request.top_p is None else request.top_p
-    top_k = 0 if request.top_k in (None, -1) else request.top_k
-    seed = secrets.randbits(63) if request.seed is None else request.seed
-    problem = sampling_problem(temperature, top_p, top_k, seed)
-    if problem is not None:
-        raise bad_request(*problem)
-    if top_k >= vocab_size:
-        top_k = 0  # keeps every token, as 0 does
-    logprobs, top, _ = logprob_settings(request)
-    return SamplingParams(temperature, top_p, top_k, seed, logprobs, top)
-
-
 def plan_for(
     request: _GenerationRequest,
     prompt_token_ids: list[int],
@@ -291,6 +252,8 @@ def plan_for(
 ) -> GenerationPlan:
     check_unsupported(request)
     max_tokens = _checked_lengths(request, prompt_token_ids, served)
+    if (request.min_tokens or 0) > max_tokens:
+        raise bad_request(f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
     speculation = request.speculation or Speculation()
     k = (
         defaults.num_speculative_tokens

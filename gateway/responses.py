@@ -157,9 +157,8 @@ async def respond(gateway: Gateway, request, plan: GenerationPlan, chat: bool, h
             gateway.clients, choice, stats, observer.context, gateway.metrics, gateway.crowded, outputs.logprobs,
             shared, leads=index == 0,
         )  # fmt: skip
-        assembler = TextAssembler(
-            gateway.tokenizer, gateway.served.eos_token_ids, request.stop_strings(), plan.max_tokens
-        )
+        stops = gateway.served.eos_token_ids | frozenset(plan.sampling.processing.stop_token_ids)
+        assembler = TextAssembler(gateway.tokenizer, stops, request.stop_strings(), plan.max_tokens)
         if plan.max_tokens == 0:
             assembler.finish_reason = "length"  # the prompt's logprobs only
         runs.append(_Run(index, choice, rounds, assembler, stats, observer, response, request.return_timings, outputs))

@@ -44,6 +44,7 @@ async def prefill(session, prompt_logprobs: int | None = None, copy_of: str = ""
         prompt_logprobs=prompt_logprobs is not None,
         prompt_top_logprobs=prompt_logprobs or 0,
         copy_of=copy_of,
+        prompt_length=len(session.plan.prompt_token_ids),
     )
     return await call_verifier(session, "Prefill", request)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.errors import require
+from specserve.logit_processing import LogitProcessing
 from specserve.v1 import common_pb2
 
 # Independent random streams per position: the verifier's accept test and token draws must
@@ -55,11 +56,14 @@ class SamplingParams:
     seed: int = 0
     logprobs: bool = False  # return each token's logprob (specserve/logprobs.py)
     top_logprobs: int = 0  # and the likeliest tokens' beside it, at most 20
+    min_p: float = 0.0  # after temperature: tokens less likely than min_p times the likeliest go
+    processing: LogitProcessing = LogitProcessing()  # penalties, biases, masks: before all of it
 
     def __post_init__(self) -> None:
         problem = sampling_problem(self.temperature, self.top_p, self.top_k, self.seed)
         require(problem is None, problem[0] if problem else "")
         require(0 <= self.top_logprobs <= 20, "top_logprobs must lie in 0..20")  # specserve.logprobs.MAX_TOP_LOGPROBS
+        require(0 <= self.min_p <= 1, "min_p must lie in [0, 1]")
 
     @property
     def is_greedy(self) -> bool:
@@ -76,6 +80,16 @@ class SamplingParams:
             seed=message.seed,
             logprobs=message.logprobs,
             top_logprobs=message.top_logprobs,
+            min_p=message.min_p,
+            processing=LogitProcessing(
+                message.presence_penalty,
+                message.frequency_penalty,
+                message.repetition_penalty or 1.0,
+                tuple(sorted(message.logit_bias.items())),
+                message.min_tokens,
+                tuple(message.stop_token_ids),
+                tuple(message.allowed_token_ids),
+            ),
         )
 
     def to_proto(self) -> common_pb2.SamplingParams:
@@ -86,13 +100,25 @@ class SamplingParams:
             seed=self.seed,
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs,
+            min_p=self.min_p,
+            presence_penalty=self.processing.presence_penalty,
+            frequency_penalty=self.processing.frequency_penalty,
+            repetition_penalty=self.processing.repetition_penalty,
+            logit_bias=dict(self.processing.logit_bias),
+            min_tokens=self.processing.min_tokens,
+            stop_token_ids=self.processing.stop_token_ids,
+            allowed_token_ids=self.processing.allowed_token_ids,
         )
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution sampling draws from: temperature, then top-k, then top-p, as in
-    transformers' generate(). logits [n, vocab] -> probs [n, vocab] float32."""
+    """The distribution sampling draws from: temperature, then min-p, top-k and top-p, as in
+    transformers' generate() and vLLM (logits already processed: specserve/logit_processing.py).
+    logits [n, vocab] -> probs [n, vocab] float32."""
     scores = logits.float() / params.temperature
+    if params.min_p > 0:
+        probs = scores.softmax(-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     if params.top_k > 0 and params.top_k < scores.shape[-1]:
         kth_best = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth_best, float("-inf"))

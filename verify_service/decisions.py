@@ -192,3 +192,23 @@ def stop_at_end_of_sequence(drafts: tuple[int, ...], num_accepted: int, next_tok
         if token in eos:
             return i, token
     return num_accepted, next_token
+
+
+def process_logits(row, eos: tuple[int, ...]) -> None:
+    """Applies the row's logits processing (specserve/logit_processing.py), where its sampling
+    asks: each row of its logits after the session's tokens and the round's tokens up to it
+    (a chain's drafts before it, a tree node's path). The argmax the forward made goes: the
+    decision takes the processed logits'."""
+    processing = row.sampling.processing
+    if not processing.active:
+        return
+    tokens = row.session.tokens
+    prompt, output = tokens[: row.session.prompt_length], tokens[row.session.prompt_length :]
+    if row.parents is None:
+        added = [row.feed[1 : r + 1] for r in range(row.logits.shape[0])]
+    else:
+        added = [[]]
+        for node in range(1, len(row.parents)):
+            added.append([*added[row.parents[node]], row.feed[node]])
+    row.logits = processing.apply(row.logits, prompt, output, added, eos).to(row.logits.device)
+    row.argmax = None

@@ -32,7 +32,7 @@ from specserve.sampling import SamplingParams
 from specserve.serving.batching import Again
 from specserve.serving.metrics import ServiceMetrics
 from verify_service.config import VerifyConfig
-from verify_service.decisions import decide, logprobs_of, stop_at_end_of_sequence
+from verify_service.decisions import decide, logprobs_of, process_logits, stop_at_end_of_sequence
 from verify_service.jobs import DecodeJob, Job, Outcome, PrefillJob, ReleaseJob, Row, Session, SweepJob, VerifyJob
 from verify_service.local_drafts import DraftTiming, LocalDrafting
 from verify_service.tree_rounds import check_tree, check_tree_speculation, keep_path, split_window, tree_nodes
@@ -246,6 +246,7 @@ class Verifier:
             f"{len(job.token_ids)} tokens leave no room in the context window of {self.loaded.max_context_length}",
         )
         check_token_ids(job.token_ids, self.loaded.vocab_size, "token_ids")
+        check_token_ids(job.sampling.processing.token_ids(), self.loaded.vocab_size, "sampling's token ids")
         existing = self.sessions.get(job.session_id)
         if existing is not None:  # a restart of the session reuses its cache slot
             existing.sequence.truncate(0)
@@ -257,6 +258,7 @@ class Verifier:
             self.backend.trim_branches()  # where no slot is free, token trees' branch slots go back first
             sequence, is_new = self.backend.open(), True  # raises ResourceExhausted when full
         session = Session(list(job.token_ids), sequence, job.sampling)
+        session.prompt_length = job.prompt_length or len(job.token_ids)
         feed = list(job.token_ids)
         if job.copy_of and job.prompt_logprobs is None and self._copied(job, sequence):
             feed = feed[-1:]  # the rest is in the cache already, copied
@@ -290,6 +292,7 @@ class Verifier:
                 len(session.tokens),
             )
         sampling = job.sampling or session.sampling
+        check_token_ids(sampling.processing.token_ids(), self.loaded.vocab_size, "sampling's token ids")
         self._check_drafts(job, sampling)
         if job.draft_parents:
             check_tree(job, sampling, self.backend.supports_trees)
@@ -322,6 +325,8 @@ class Verifier:
                 row.argmax = argmax[-1:] if argmax is not None else None
                 sequence = row.session.sequence
                 sequence.hidden = sequence.hidden[-1:] if sequence.hidden is not None else None
+        for row in chains:
+            process_logits(row, self.loaded.eos_token_ids)
         trees = [row for row in rows if row.parents is not None]
         if trees:
             parts = [tree_nodes(self.backend, row) for row in trees]
@@ -329,6 +334,7 @@ class Verifier:
                 row.logits, row.argmax = logits, argmax
                 if row.window:  # the window's guesses to its session; the decision reads the rest
                     row.session.drafts.lookahead.learn(split_window(row))
+                process_logits(row, self.loaded.eos_token_ids)
 
     def _check_drafts(self, job: VerifyJob, sampling: SamplingParams) -> None:
         k = len(job.draft_token_ids)

@@ -25,6 +25,7 @@ class PrefillJob:
     sampling: SamplingParams
     prompt_logprobs: int | None = None  # each token's logprob after the tokens before it, with this many top ones
     copy_of: str = ""  # a session whose cache of token_ids is copied, where it holds them
+    prompt_length: int = 0  # of token_ids, the prompt's (0: all); the rest is output
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class Session:
     # The target's normed hidden state [hidden] at the position whose logits gave the last
     # token (None on the transformers backend): Medusa heads draft the next round from it.
     hidden: torch.Tensor | None = field(default=None, repr=False)
+    prompt_length: int = 0  # of tokens, the prompt's: logits processing counts the output after it
 
 
 @dataclass

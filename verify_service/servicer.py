@@ -64,7 +64,9 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         started = time.perf_counter()
         sampling = SamplingParams.from_proto(request.sampling)
         prompt = request.prompt_top_logprobs if request.prompt_logprobs else None
-        job = PrefillJob(request.session_id, tuple(request.token_ids), sampling, prompt, request.copy_of)
+        job = PrefillJob(
+            request.session_id, tuple(request.token_ids), sampling, prompt, request.copy_of, request.prompt_length
+        )
         outcome = self._run(job)
         self._metrics.prefills.inc()
         if not context.is_active():

@@ -1,0 +1,114 @@
+"""Logits processing (penalties, biases, masks): its arithmetic, and through the stack greedy
+output equal speculative and target-only, sampled output exact with a presence penalty and
+a draft that disagrees with the target."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specserve.errors import InvalidArgument
+from specserve.logit_processing import LogitProcessing
+from tests.test_e2e import PROMPTS, _chi_square
+
+
+def test_penalties_biases_and_masks_follow_vllms_arithmetic():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]] * 3)
+    processing = LogitProcessing(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0,
+                                 logit_bias=((4, 10.0),), min_tokens=3, stop_token_ids=(2,))  # fmt: skip
+    # prompt [1]; output [3, 3]; row r adds the round's tokens before it: [], [0], [0, 4]
+    out = processing.apply(logits, prompt=[1], output=[3, 3], added=[[], [0], [0, 4]], eos=(0,))
+    row0 = [float("-inf"), -2.0, float("-inf"), 1.5 - 0.5 - 0.5, 11.0]  # 3: 3/2, then -0.25*2 - 0.5
+    assert out[0].tolist() == row0  # output holds 2 tokens < 3: end-of-sequence (0) and stop id 2 masked
+    assert out[1][0] == 2.0 / 2 - 0.25 - 0.5  # 3 tokens: nothing masked; 0 once in the output
+    assert out[1][1] == -2.0 and out[1][2] == 0.5 and out[1][4] == 11.0
+    assert out[2][0] == 2.0 / 2 - 0.25 - 0.5
+    assert out[2][4] == 11.0 / 2 - 0.25 - 0.5 and out[2][2] == 0.5  # 2: neither seen nor masked
+    allowed = LogitProcessing(allowed_token_ids=(1, 3)).apply(logits[:1], [], [], [[]], eos=(0,))
+    assert torch.isinf(allowed[0, [0, 2, 4]]).all() and allowed[0, 3] == 3.0
+    with pytest.raises(InvalidArgument, match="presence_penalty"):
+        LogitProcessing(presence_penalty=3)
+
+
+PENALTIES = {"presence_penalty": 1.2, "frequency_penalty": 0.4, "repetition_penalty": 1.3, "logit_bias": {"42": 3.0}}
+
+
+def _complete(url: str, prompt, speculation: dict, **body) -> dict:
+    reply = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "prompt": list(prompt), "max_tokens": 24, "temperature": 0, "return_token_ids": True,
+        "speculation": speculation, **body})  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_greedy_output_with_penalties_and_biases_is_target_onlys(stack):
+    methods = ({"method": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
+               {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}, {"method": "lookahead"})  # fmt: skip
+    changed = 0
+    for prompt in PROMPTS:
+        plain = _complete(stack.url, prompt, {"method": "none"})["choices"][0]["token_ids"]
+        reference = _complete(stack.url, prompt, {"method": "none"}, **PENALTIES)["choices"][0]["token_ids"]
+        changed += reference != plain
+        for speculation in methods:
+            body = _complete(stack.url, prompt, speculation, **PENALTIES, logprobs=2)
+            assert body["choices"][0]["token_ids"] == reference, (prompt, speculation)
+        masked = _complete(stack.url, prompt, methods[0], allowed_token_ids=[7, 8, 9], min_tokens=24)
+        assert set(masked["choices"][0]["token_ids"]) <= {7, 8, 9} and len(masked["choices"][0]["token_ids"]) == 24
+    assert changed >= 3  # the penalties change the output: the test compares processed outputs
+
+
+def _penalised_first_two_token_distributions(target_dir, prompt: list[int], presence: float):
+    """p(t1 | prompt) and the marginal of t2, t1 penalised as an output token at t2."""
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    with torch.no_grad():
+        first = model(torch.tensor([prompt])).logits[0, -1].double().softmax(-1)
+        vocab = first.shape[0]
+        extended = torch.cat([torch.tensor(prompt).expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
+        logits = model(extended).logits[:, -1].double()  # [t1, t2]
+        logits[torch.arange(vocab), torch.arange(vocab)] -= presence
+    return first, first @ logits.softmax(-1)
+
+
+def test_sampled_output_with_a_presence_penalty_follows_the_processed_target(stack):
+    """1200 seeded requests at temperature 1 with presence_penalty 2 and the tiny draft (a
+    random model that disagrees with the target): the second token follows the penalised
+    target's marginal, and not the unpenalised one. On this prompt the tiny target repeats
+    its first token about a third of the time, which the penalty makes rare."""
+    prompt = [72] * 8
+
+    def run(seed):
+        body = _complete(stack.url, prompt, {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False},
+                         max_tokens=4, temperature=1.0, seed=seed, presence_penalty=2.0)  # fmt: skip
+        return body["choices"][0]["token_ids"], body["usage"]["speculation"]
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(run, range(1200)))
+    drafted = sum(usage["num_draft_tokens"] for _, usage in results)
+    assert sum(usage["num_accepted_tokens"] for _, usage in results) < 0.95 * drafted  # drafts rejected too
+    first, penalised = _penalised_first_two_token_distributions(stack.target_dir, prompt, 2.0)
+    _, plain = _penalised_first_two_token_distributions(stack.target_dir, prompt, 0.0)
+    seconds = [tokens[1] for tokens, _ in results]
+    assert _chi_square(seconds, penalised) > 1e-3
+    assert _chi_square(seconds, plain) < 1e-3  # the test can tell the penalty's effect
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"100000": 1}}, "logit_bias"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"allowed_token_ids": [300]}, "allowed_token_ids"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ],
+)
+def test_bad_processing_settings_are_a_400_naming_the_field(stack, body, param):
+    reply = httpx.post(f"{stack.url}/v1/completions", json={"prompt": "a", **body}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
