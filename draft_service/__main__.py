@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = models["draft_model"]
     metrics = ServiceMetrics("drafter")
     metrics.count_compiling(models)
+    metrics.measure_kv_cache([m.backend for m in models.values()])
     metrics.serve(config.host, config.metrics_port)
     drafter = Drafter(models, DraftOptions.of(config, loaded), metrics)
     batcher = Batcher(drafter.step, config.max_batch, config.max_wait_ms / 1000, name="drafter", own_thread=False)

@@ -60,7 +60,6 @@ UNSUPPORTED = {
     "function_call": ("none", "auto"),
     "ignore_eos": (False,),
     "use_beam_search": (False,),
-    "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "guided_json": (),
@@ -71,7 +70,6 @@ UNSUPPORTED = {
     "structured_outputs": (),
     "logits_processors": ([],),
     "bad_words": ([],),
-    "truncate_prompt_tokens": (),
     "prediction": (),
     "audio": (),
     "modalities": (["text"],),
@@ -114,6 +112,8 @@ class _GenerationRequest(BaseModel):
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last N tokens
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -251,6 +251,7 @@ def plan_for(
     tenant: str = "",
 ) -> GenerationPlan:
     check_unsupported(request)
+    prompt_token_ids = _truncated(request, prompt_token_ids, served)
     max_tokens = _checked_lengths(request, prompt_token_ids, served)
     if (request.min_tokens or 0) > max_tokens:
         raise bad_request(f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
@@ -301,6 +302,18 @@ def plan_for(
         lookahead=lookahead,
         prompt_logprobs=logprob_settings(request)[2],
     )
+
+
+def _truncated(request: _GenerationRequest, prompt_token_ids: list[int], served: ServedModel) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last tokens (-1: as many as the context holds)."""
+    keep = request.truncate_prompt_tokens
+    if keep is None:
+        return prompt_token_ids
+    if keep == -1:
+        keep = served.max_context_length
+    if keep < 1:
+        raise bad_request("truncate_prompt_tokens must be >= 1 (or -1)", "truncate_prompt_tokens")
+    return prompt_token_ids[-keep:]
 
 
 def _checked_lengths(request: _GenerationRequest, prompt_token_ids: list[int], served: ServedModel) -> int:

@@ -190,6 +190,7 @@ async def _start_up(gateway: Gateway, fingerprint: str, on_fatal) -> None:
     served = served_model(target, draft, config.served_model_name, draft_service=bool(config.draft_address))
     backends.draft_usable = draft is not None
     gateway.served = served
+    gateway.metrics.model_name = served.name
     drafts = [f"{', '.join(sorted(served.local_methods)) or 'none'} in the verifier"]
     if config.draft_address:
         name = draft.model_name if draft is not None else "not answering yet"

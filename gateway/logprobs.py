@@ -101,7 +101,8 @@ class ChoiceOutputs:
         self.echo = not chat and bool(getattr(request, "echo", False))
         prompt = getattr(request, "prompt", None)
         prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) else prompt
-        self.echo_text = prompt if isinstance(prompt, str) else tokenizer.decode(self.prompt_ids) if self.echo else ""
+        whole = isinstance(prompt, str) and request.truncate_prompt_tokens is None
+        self.echo_text = prompt if whole else tokenizer.decode(self.prompt_ids) if self.echo else ""
         self.vllm_prompt = request.prompt_logprobs
         self.prompt_token_ids = request.return_token_ids
         self.sent = 0  # tokens whose logprobs went out

@@ -37,10 +37,14 @@ class RequestObserver:
         self.context = trace.set_span_in_context(self.span)
         self.finished = False
         metrics.requests_running.inc()
+        metrics.requests_waiting.inc()
+        metrics.prompt_tokens.inc(len(plan.prompt_token_ids))
+        self.waiting = True
 
     def on_tokens(self, count: int) -> None:
         """A round's tokens reached the response; latency is counted per token."""
         now = time.perf_counter()
+        self._done_waiting()
         if self.last_token_at is None:
             self.metrics.ttft.observe(now - self.started)
             count -= 1
@@ -48,6 +52,11 @@ class RequestObserver:
             for _ in range(count):
                 self.metrics.itl.observe((now - self.last_token_at) / count)
         self.last_token_at = now
+
+    def _done_waiting(self) -> None:
+        if self.waiting:
+            self.waiting = False
+            self.metrics.requests_waiting.dec()
 
     def finish(
         self, output_tokens: int, finish_reason: str | None, error: BaseException | None = None, response_id: str = ""
@@ -57,6 +66,9 @@ class RequestObserver:
         self.span.set_attribute("gen_ai.response.id", response_id)
         self.finished = True
         self.metrics.requests_running.dec()
+        self._done_waiting()
+        self.metrics.generation_tokens.inc(output_tokens)
+        self.metrics.request_success.labels(finished_reason=finish_reason or "abort").inc()
         self.metrics.e2e.observe(time.perf_counter() - self.started)
         self.metrics.requests.labels(finish_reason=finish_reason or "error").inc()
         self.span.set_attribute("gen_ai.usage.output_tokens", output_tokens)

@@ -158,7 +158,9 @@ async def respond(gateway: Gateway, request, plan: GenerationPlan, chat: bool, h
             shared, leads=index == 0,
         )  # fmt: skip
         stops = gateway.served.eos_token_ids | frozenset(plan.sampling.processing.stop_token_ids)
-        assembler = TextAssembler(gateway.tokenizer, stops, request.stop_strings(), plan.max_tokens)
+        assembler = TextAssembler(
+            gateway.tokenizer, stops, request.stop_strings(), plan.max_tokens, bool(request.include_stop_str_in_output)
+        )
         if plan.max_tokens == 0:
             assembler.finish_reason = "length"  # the prompt's logprobs only
         runs.append(_Run(index, choice, rounds, assembler, stats, observer, response, request.return_timings, outputs))

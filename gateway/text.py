@@ -24,6 +24,7 @@ class TextAssembler:
     eos_token_ids: frozenset[int]
     stop: tuple[str, ...]
     max_tokens: int
+    include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string ends the text
     token_ids: list[int] = field(default_factory=list)
     emitted_text: str = ""
     finish_reason: str | None = None
@@ -38,7 +39,7 @@ class TextAssembler:
         text = self.text
         stop_at = self._find_stop(text)
         if stop_at is not None:
-            text, self.finish_reason = text[:stop_at], "stop"
+            text, self.finish_reason = text[: stop_at[0] + (len(stop_at[1]) if self.include_stop else 0)], "stop"
         if self.finish_reason is None:
             text = self._safe_prefix(text)
         delta = text[len(self.emitted_text) :] if text.startswith(self.emitted_text) else ""
@@ -78,11 +79,12 @@ class TextAssembler:
                 self.finish_reason = "length"
         return taken
 
-    def _find_stop(self, text: str) -> int | None:
+    def _find_stop(self, text: str) -> tuple[int, str] | None:
+        """Where the first stop string starts, and which (the longest there)."""
         # Only text after what was already shown can hold a new stop string (plus overlap).
         horizon = max(0, len(self.emitted_text) - max((len(s) for s in self.stop), default=0))
-        hits = [i for i in (text.find(s, horizon) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, -len(s), s) for s in self.stop if (i := text.find(s, horizon)) >= 0]
+        return (min(hits)[0], min(hits)[2]) if hits else None
 
     def _safe_prefix(self, text: str) -> str:
         """Text minus a trailing incomplete character and any tail that begins a stop string."""

@@ -63,7 +63,10 @@ class LogitProcessing:
             short = [r for r in range(n) if len(output) + len(added[r]) < self.min_tokens]
             ended = [t for t in (*eos, *self.stop_token_ids) if t < vocab]
             if short and ended:
+                before = scores.clone()
                 scores[torch.tensor(short)[:, None], torch.tensor(ended)[None, :]] = float("-inf")
+                dead = torch.isinf(scores).all(-1)  # allowed_token_ids left only the ends: they stay
+                scores[dead] = before[dead]
         if self.logit_bias:
             ids, bias = zip(*self.logit_bias)
             scores[:, list(ids)] += torch.tensor(bias)

@@ -30,6 +30,8 @@ def test_penalties_biases_and_masks_follow_vllms_arithmetic():
     assert out[2][4] == 11.0 / 2 - 0.25 - 0.5 and out[2][2] == 0.5  # 2: neither seen nor masked
     allowed = LogitProcessing(allowed_token_ids=(1, 3)).apply(logits[:1], [], [], [[]], eos=(0,))
     assert torch.isinf(allowed[0, [0, 2, 4]]).all() and allowed[0, 3] == 3.0
+    only_ends = LogitProcessing(allowed_token_ids=(0,), min_tokens=5).apply(logits[:1], [], [], [[]], eos=(0,))
+    assert only_ends[0, 0] == 2.0  # no row is left without a token to draw
     with pytest.raises(InvalidArgument, match="presence_penalty"):
         LogitProcessing(presence_penalty=3)
 

@@ -155,3 +155,18 @@ def test_n_choices_with_a_seed_reproduce_whole_and_streamed(stack):
         for choice in chunk.choices:
             streamed.setdefault(choice.index, []).extend(choice.model_extra["token_ids"])
     assert [streamed[i] for i in range(4)] == tokens
+
+
+def test_stop_strings_in_the_output_and_truncated_prompts(stack):
+    client = _client(stack)
+    whole = client.completions.create(model="target", prompt=[1, 2, 3], max_tokens=16, temperature=0)
+    text = whole.choices[0].text
+    stop = text[3:5] if len(text) >= 5 else None
+    if stop:  # the same request stopped at a string of its own output: the string kept, or not
+        cut = client.completions.create(model="target", prompt=[1, 2, 3], max_tokens=16, temperature=0, stop=[stop])
+        kept = client.completions.create(model="target", prompt=[1, 2, 3], max_tokens=16, temperature=0, stop=[stop],
+                                         extra_body={"include_stop_str_in_output": True})  # fmt: skip
+        assert kept.choices[0].text == cut.choices[0].text + stop and text.startswith(kept.choices[0].text)
+    truncated = client.completions.create(model="target", prompt=[9, 9, 9, 1, 2, 3], max_tokens=16, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": 3})  # fmt: skip
+    assert truncated.usage.prompt_tokens == 3 and truncated.choices[0].text == text

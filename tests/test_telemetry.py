@@ -132,7 +132,8 @@ def test_a_target_only_request_traces_its_decode_stream_token_by_token(traced):
 
 
 def counter(text: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    """An unlabelled metric's value but for the gateway's model_name label."""
+    match = re.search(rf'^{re.escape(name)}(?:{{model_name="[^"]*"}})? (\S+)$', text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
 
 
@@ -150,9 +151,19 @@ def test_metrics_agree_with_the_usage_served(traced):
         name = f"specserve:spec_decode_{key}_total"
         assert counter(after, name) - counter(before, name) == value, name
     assert "specserve:time_to_first_token_seconds_bucket" in after
-    assert 'specserve:round_seconds_count{hop="verify"}' in after
+    assert re.search(r'^specserve:round_seconds_count\{hop="verify",model_name="[^"]+"\}', after, re.MULTILINE)
+    # vLLM's names and labels, which operators scrape
+    tokens = counter(after, "specserve:generation_tokens_total") - counter(before, "specserve:generation_tokens_total")
+    assert (
+        tokens == 30
+        and counter(after, "specserve:prompt_tokens_total") - counter(before, "specserve:prompt_tokens_total") == 6
+    )
+    assert counter(after, "specserve:num_requests_waiting") == 0
+    assert re.search(r'^specserve:request_success_total\{finished_reason="length",model_name="[^"]+"\} ', after, re.M)
+    assert 'le="600.0"' in after  # buckets past a minute, for long generations
     verifier = httpx.get(f"http://127.0.0.1:{verify_metrics}/metrics").text
     assert "specserve:verifier_batch_size_bucket" in verifier and "specserve:verifier_kv_slots_in_use" in verifier
+    assert 0 <= counter(verifier, "specserve:verifier_kv_cache_usage_perc") <= 1
     assert "specserve:drafter_batch_size_bucket" in httpx.get(f"http://127.0.0.1:{draft_metrics}/metrics").text
 
 

@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, UnsupportedModel) as error:  # e.g. early exit on the transformers backend
         log.error("refusing to start: %s", error)
         return 2
+    metrics.measure_kv_cache([loaded.backend])
     metrics.serve(config.host, config.metrics_port)
     verifier = Verifier(loaded, config, metrics, local)
     batcher = Batcher(verifier.step, config.max_batch, config.max_wait_ms / 1000, name="verifier", own_thread=False)

@@ -70,6 +70,11 @@ class Backend(Protocol):
     def in_use(self) -> int: ...
 
     @property
+    def capacity(self) -> int:
+        """Cache slots (sequences) in all: in_use / capacity is the KV-cache usage."""
+        ...
+
+    @property
     def compiling(self) -> bool:
         """Whether compiled steps are still being built (the eager forward serves meanwhile)."""
         ...
@@ -140,6 +145,10 @@ class RunnerBackend:
     @property
     def in_use(self) -> int:
         return self.runner.num_slots - self.runner.free_slots
+
+    @property
+    def capacity(self) -> int:
+        return self.runner.num_slots
 
     def open(self, reclaim: bool = True) -> KVSequence:
         """reclaim: take a tree's branch slot when none is free (only where no tree runs at
@@ -270,6 +279,10 @@ class TransformersBackend:
     @property
     def in_use(self) -> int:
         return self._open
+
+    @property
+    def capacity(self) -> int:
+        return self._max_sequences
 
     def open(self, reclaim: bool = True) -> KVSequence:
         from transformers import DynamicCache

@@ -26,6 +26,11 @@ LATENCY_BUCKETS = (
     10.24,
     20.48,
     40.96,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
 )
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -76,6 +81,19 @@ class GatewayMetrics:
         self.requests = Counter(
             "specserve:requests", "Finished requests, by finish reason.", ["finish_reason"], registry=r
         )
+        # vLLM's names, which operators' dashboards scrape.
+        self.request_success = Counter(
+            "specserve:request_success",
+            "Finished requests, by vLLM's finished_reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.requests_waiting = Gauge(
+            "specserve:num_requests_waiting", "Requests not yet past their prefill (no token yet).", registry=r
+        )
+        self.prompt_tokens = Counter("specserve:prompt_tokens", "Prompt tokens of the requests served.", registry=r)
+        self.generation_tokens = Counter("specserve:generation_tokens", "Tokens generated.", registry=r)
+        self.model_name = ""  # every sample's model_name label, once the served model is known
 
     def observe_round(self, k: int, num_accepted: int, draft_s: float, verify_s: float, wire_s: float) -> None:
         if k > 0:
@@ -89,7 +107,20 @@ class GatewayMetrics:
         self.round_seconds.labels(hop="wire").observe(wire_s)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        """The registry's samples, each labelled with model_name (vLLM's label)."""
+        return generate_latest(_Labelled(self.registry, {"model_name": self.model_name}))
+
+
+class _Labelled:
+    """A registry's metrics with labels added to every sample (a collector of a registry)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]):
+        self.registry, self.labels = registry, labels
+
+    def collect(self):
+        for family in self.registry.collect():
+            family.samples = [sample._replace(labels={**sample.labels, **self.labels}) for sample in family.samples]
+            yield family
 
 
 class ServiceMetrics:
@@ -121,10 +152,19 @@ class ServiceMetrics:
         )
         self.active_sessions = Gauge(f"specserve:{component}_active_sessions", "Sessions held now.", registry=r)
         self.kv_slots_in_use = Gauge(f"specserve:{component}_kv_slots_in_use", "KV-cache slots in use.", registry=r)
+        self.kv_cache_usage = Gauge(
+            f"specserve:{component}_kv_cache_usage_perc", "KV-cache slots in use, as a fraction (vLLM's).", registry=r
+        )
         self.prefills = Counter(  # counted by the verifier
             f"specserve:{component}_prefills",
             "Sessions prefilled (a new request, or one prefilled again: moved from another replica, or out of step).",
             registry=r,
+        )
+
+    def measure_kv_cache(self, backends: list) -> None:
+        """kv_cache_usage_perc from these backends' slots, read at each scrape."""
+        self.kv_cache_usage.set_function(
+            lambda: sum(b.in_use for b in backends) / max(1, sum(b.capacity for b in backends))
         )
 
     def serve(self, host: str, port: int) -> None:
