@@ -130,7 +130,7 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str] = Field(...)
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(...)  # a batch: vLLM's
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None

@@ -50,6 +50,7 @@ FALLBACK_CHAT_TEMPLATE = (
 
 UNTRACED_PATHS = ("/health", "/metrics")
 TOKENIZER_THREADS = 2
+MAX_PROMPTS = 16  # a completion's batch of prompts
 
 
 @dataclass
@@ -77,15 +78,16 @@ class Gateway:
     def plan(self, request, prompt_token_ids: list[int], tenant: str = "") -> GenerationPlan:
         return plan_for(request, prompt_token_ids, self.served, self.config, tenant)
 
-    def completion_prompt(self, request: CompletionRequest, tokenizer) -> list[int]:
-        prompt = request.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                raise bad_request("only one prompt per request is supported", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return list(tokenizer(prompt)["input_ids"])
-        return list(prompt)
+    def completion_prompts(self, request: CompletionRequest, tokenizer) -> tuple[list[list[int]], list]:
+        """Each prompt's token ids, and its text (None: given as ids): a completion may carry a
+        batch, strings or lists of token ids (vLLM's)."""
+        prompts = request.prompt
+        if isinstance(prompts, str) or not prompts or isinstance(prompts[0], int):
+            prompts = [prompts]
+        if len(prompts) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return [list(tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts], texts
 
     def chat_prompt(self, request: ChatCompletionRequest, tokenizer) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
@@ -260,16 +262,16 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, http: Request):
         check_model(request.model, gateway.served)
-        prompt = await gateway.off_loop(gateway.completion_prompt, request)
-        plan = gateway.plan(request, prompt, http.scope["state"].get("tenant", ""))
-        return await respond(gateway, request, plan, chat=False, http=http)
+        prompts, texts = await gateway.off_loop(gateway.completion_prompts, request)
+        plans = [gateway.plan(request, prompt, http.scope["state"].get("tenant", "")) for prompt in prompts]
+        return await respond(gateway, request, plans, chat=False, http=http, texts=texts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, http: Request):
         check_model(request.model, gateway.served)
         prompt = await gateway.off_loop(gateway.chat_prompt, request)
         plan = gateway.plan(request, prompt, http.scope["state"].get("tenant", ""))
-        return await respond(gateway, request, plan, chat=True, http=http)
+        return await respond(gateway, request, [plan], chat=True, http=http)
 
 
 def _add_vllm_routes(app: FastAPI, gateway: Gateway) -> None:

@@ -92,17 +92,16 @@ class ChoiceOutputs:
     (in a stream, each chunk those of the tokens since the one before), echo's prompt first,
     vLLM's prompt_logprobs and prompt_token_ids (with the first chunk)."""
 
-    def __init__(self, tokenizer, request, plan, chat: bool):
+    def __init__(self, tokenizer, request, plan, chat: bool, prompt_text: str | None = None):
+        """prompt_text: the prompt as the request wrote it (echo); None: decoded from its ids."""
         self.chat = chat
         self.asked = plan.sampling.logprobs
         self.prompt_ids = list(plan.prompt_token_ids)
         self.logprobs = Logprobs() if self.asked or plan.prompt_logprobs is not None else None
         self.format = LogprobFormat(tokenizer, chat, plan.sampling.top_logprobs)
         self.echo = not chat and bool(getattr(request, "echo", False))
-        prompt = getattr(request, "prompt", None)
-        prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) else prompt
-        whole = isinstance(prompt, str) and request.truncate_prompt_tokens is None
-        self.echo_text = prompt if whole else tokenizer.decode(self.prompt_ids) if self.echo else ""
+        whole = prompt_text is not None and request.truncate_prompt_tokens is None
+        self.echo_text = prompt_text if whole else tokenizer.decode(self.prompt_ids) if self.echo else ""
         self.vllm_prompt = request.prompt_logprobs
         self.prompt_token_ids = request.return_token_ids
         self.sent = 0  # tokens whose logprobs went out

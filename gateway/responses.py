@@ -42,6 +42,7 @@ class _Response:
         self.created = int(time.time())
         self.model = model
         self.return_token_ids = return_token_ids
+        self.n = 1  # choices per prompt
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
@@ -84,10 +85,10 @@ class _Response:
 
 
 def _usage(runs: list[_Run]) -> dict:
-    """The request's usage: its prompt once, every choice's tokens (the choices share one
+    """The request's usage: each prompt once, every choice's tokens (the choices share one
     SpeculationStats)."""
     completion = sum(len(run.assembler.token_ids) for run in runs)
-    prompt = len(runs[0].plan.prompt_token_ids)
+    prompt = sum(len(run.plan.prompt_token_ids) for run in runs if run.index % run.response.n == 0)
     stats = runs[0].stats
     usage = {
         "prompt_tokens": prompt,
@@ -139,31 +140,38 @@ def choice_plan(plan: GenerationPlan, index: int) -> GenerationPlan:
     )
 
 
-async def respond(gateway: Gateway, request, plan: GenerationPlan, chat: bool, http: Request | None = None):
-    """The answer to a completion of request.n choices (each its own rounds, at once)."""
+async def respond(
+    gateway: Gateway, request, plans: list[GenerationPlan], chat: bool, http: Request | None = None, texts=()
+):
+    """The answer to a completion of request.n choices of each of plans' prompts (each choice
+    its own rounds, all at once; choice index prompt * n + j, as vLLM numbers them); texts:
+    each prompt's text, for echo."""
     stats = SpeculationStats()
     request_id = http.scope["state"].get("request_id", "") if http is not None else ""
     response = _Response(chat, gateway.served.name, request.return_token_ids)
-    runs = []
-    # The choices share the prompt's prefill: the first prefills, the others copy its cache.
-    shared = (
-        asyncio.get_running_loop().create_future() if (request.n or 1) > 1 and plan.prompt_logprobs is None else None
-    )
-    for index in range(request.n or 1):
-        choice = choice_plan(plan, index)
-        observer = RequestObserver(gateway.metrics, chat, gateway.served.name, choice, request_id)
-        outputs = ChoiceOutputs(gateway.tokenizer, request, choice, chat)
-        rounds = generate(
-            gateway.clients, choice, stats, observer.context, gateway.metrics, gateway.crowded, outputs.logprobs,
-            shared, leads=index == 0,
-        )  # fmt: skip
-        stops = gateway.served.eos_token_ids | frozenset(plan.sampling.processing.stop_token_ids)
-        assembler = TextAssembler(
-            gateway.tokenizer, stops, request.stop_strings(), plan.max_tokens, bool(request.include_stop_str_in_output)
-        )
-        if plan.max_tokens == 0:
-            assembler.finish_reason = "length"  # the prompt's logprobs only
-        runs.append(_Run(index, choice, rounds, assembler, stats, observer, response, request.return_timings, outputs))
+    response.n = request.n or 1
+    runs, n = [], response.n
+    for number, plan in enumerate(plans):
+        # A prompt's choices share its prefill: the first prefills, the others copy its cache.
+        loop = asyncio.get_running_loop()
+        shared = loop.create_future() if n > 1 and plan.prompt_logprobs is None else None
+        for j in range(n):
+            choice = choice_plan(plan, j)
+            observer = RequestObserver(gateway.metrics, chat, gateway.served.name, choice, request_id)
+            outputs = ChoiceOutputs(gateway.tokenizer, request, choice, chat, texts[number] if texts else None)
+            rounds = generate(
+                gateway.clients, choice, stats, observer.context, gateway.metrics, gateway.crowded, outputs.logprobs,
+                shared, leads=j == 0,
+            )  # fmt: skip
+            stops = gateway.served.eos_token_ids | frozenset(plan.sampling.processing.stop_token_ids)
+            include = bool(request.include_stop_str_in_output)
+            assembler = TextAssembler(gateway.tokenizer, stops, request.stop_strings(), plan.max_tokens, include)
+            if plan.max_tokens == 0:
+                assembler.finish_reason = "length"  # the prompt's logprobs only
+            index = number * n + j
+            runs.append(
+                _Run(index, choice, rounds, assembler, stats, observer, response, request.return_timings, outputs)
+            )
     if request.stream:
         firsts = []
         try:

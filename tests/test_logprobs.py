@@ -170,3 +170,18 @@ def test_stop_strings_in_the_output_and_truncated_prompts(stack):
     truncated = client.completions.create(model="target", prompt=[9, 9, 9, 1, 2, 3], max_tokens=16, temperature=0,
                                           extra_body={"truncate_prompt_tokens": 3})  # fmt: skip
     assert truncated.usage.prompt_tokens == 3 and truncated.choices[0].text == text
+
+
+def test_a_batch_of_prompts_is_a_choice_per_prompt_and_sample(stack):
+    client = _client(stack)
+    batch = [[1, 2, 3], [7, 8, 9, 10]]
+    reply = client.completions.create(model="target", prompt=batch, max_tokens=6, temperature=0, n=2,
+                                      extra_body={"return_token_ids": True})  # fmt: skip
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2, 3] and reply.usage.prompt_tokens == 7
+    by_index = {c.index: c.model_extra["token_ids"] for c in reply.choices}
+    for number, prompt in enumerate(batch):
+        alone = client.completions.create(model="target", prompt=prompt, max_tokens=6, temperature=0,
+                                          extra_body={"return_token_ids": True})  # fmt: skip
+        assert by_index[2 * number] == by_index[2 * number + 1] == alone.choices[0].model_extra["token_ids"]
+    texts = client.completions.create(model="target", prompt=["ab", "cd"], max_tokens=3, temperature=0, echo=True)
+    assert [c.text[:2] for c in sorted(texts.choices, key=lambda c: c.index)] == ["ab", "cd"]
