@@ -58,7 +58,6 @@ UNSUPPORTED = {
     "tool_choice": ("none", "auto"),
     "functions": ([],),
     "function_call": ("none", "auto"),
-    "ignore_eos": (False,),
     "use_beam_search": (False,),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
@@ -69,7 +68,6 @@ UNSUPPORTED = {
     "guided_decoding_backend": (),
     "structured_outputs": (),
     "logits_processors": ([],),
-    "bad_words": ([],),
     "prediction": (),
     "audio": (),
     "modalities": (["text"],),
@@ -113,6 +111,8 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last N tokens
 
     def include_usage(self) -> bool:
@@ -249,6 +249,7 @@ def plan_for(
     served: ServedModel,
     defaults: GatewayConfig,
     tenant: str = "",
+    bad_words: tuple[tuple[int, ...], ...] = (),
 ) -> GenerationPlan:
     check_unsupported(request)
     prompt_token_ids = _truncated(request, prompt_token_ids, served)
@@ -284,7 +285,7 @@ def plan_for(
     return GenerationPlan(
         prompt_token_ids=prompt_token_ids,
         max_tokens=max_tokens,
-        sampling=sampling_for(request, served.vocab_size),
+        sampling=sampling_for(request, served.vocab_size, bad_words),
         method=method,
         num_speculative_tokens=min(k, served.max_speculative_tokens),
         adaptive=adaptive and not seeded_sampled,

@@ -76,7 +76,14 @@ class Gateway:
         return limit > 0 and self.in_flight > limit
 
     def plan(self, request, prompt_token_ids: list[int], tenant: str = "") -> GenerationPlan:
-        return plan_for(request, prompt_token_ids, self.served, self.config, tenant)
+        return plan_for(request, prompt_token_ids, self.served, self.config, tenant, self.bad_words(request))
+
+    def bad_words(self, request) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as token sequences: each word as written and after a space."""
+        words = request.bad_words or []
+        variants = {w for word in words for w in (word, " " + word.lstrip()) if w.strip()}
+        encoded = {tuple(self.tokenizer(w, add_special_tokens=False)["input_ids"]) for w in sorted(variants)}
+        return tuple(sorted(sequence for sequence in encoded if sequence))
 
     def completion_prompts(self, request: CompletionRequest, tokenizer) -> tuple[list[list[int]], list]:
         """Each prompt's token ids, and its text (None: given as ids): a completion may carry a

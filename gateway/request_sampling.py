@@ -4,6 +4,7 @@ value out of range."""
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 
 from gateway.errors import bad_request
@@ -40,7 +41,8 @@ def logprob_settings(request) -> tuple[bool, int, int | None]:
     return asked, top, prompt
 
 
-def sampling_for(request, vocab_size: int) -> SamplingParams:
+def sampling_for(request, vocab_size: int, bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
+    """bad_words: the request's, as token sequences."""
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     top_k = 0 if request.top_k in (None, -1) else request.top_k
@@ -54,7 +56,8 @@ def sampling_for(request, vocab_size: int) -> SamplingParams:
     min_p = request.min_p or 0.0
     if not 0 <= min_p <= 1:
         raise bad_request("min_p must lie in [0, 1]", "min_p")
-    return SamplingParams(temperature, top_p, top_k, seed, logprobs, top, min_p, processing_for(request, vocab_size))
+    processing = dataclasses.replace(processing_for(request, vocab_size), bad_words=bad_words)
+    return SamplingParams(temperature, top_p, top_k, seed, logprobs, top, min_p, bool(request.ignore_eos), processing)
 
 
 def processing_for(request, vocab_size: int) -> LogitProcessing:

@@ -163,7 +163,8 @@ async def respond(
                 gateway.clients, choice, stats, observer.context, gateway.metrics, gateway.crowded, outputs.logprobs,
                 shared, leads=j == 0,
             )  # fmt: skip
-            stops = gateway.served.eos_token_ids | frozenset(plan.sampling.processing.stop_token_ids)
+            ends = frozenset() if plan.sampling.ignore_eos else gateway.served.eos_token_ids
+            stops = ends | frozenset(plan.sampling.processing.stop_token_ids)
             include = bool(request.include_stop_str_in_output)
             assembler = TextAssembler(gateway.tokenizer, stops, request.stop_strings(), plan.max_tokens, include)
             if plan.max_tokens == 0:

@@ -32,6 +32,7 @@ class LogitProcessing:
     min_tokens: int = 0  # end-of-sequence and stop_token_ids are masked until the output has as many
     stop_token_ids: tuple[int, ...] = ()  # masked with end-of-sequence under min_tokens
     allowed_token_ids: tuple[int, ...] = ()  # (): every token
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output may not complete
 
     def __post_init__(self) -> None:
         require(-2 <= self.presence_penalty <= 2, "presence_penalty must lie in [-2, 2]")
@@ -46,7 +47,8 @@ class LogitProcessing:
 
     def token_ids(self) -> list[int]:
         """Every token id it names (each must lie in the vocabulary)."""
-        return [t for t, _ in self.logit_bias] + list(self.stop_token_ids) + list(self.allowed_token_ids)
+        named = [t for t, _ in self.logit_bias] + list(self.stop_token_ids) + list(self.allowed_token_ids)
+        return named + [t for words in self.bad_words for t in words]
 
     def apply(
         self, logits: torch.Tensor, prompt: list[int], output: list[int], added: list[list[int]], eos: tuple[int, ...]
@@ -70,6 +72,11 @@ class LogitProcessing:
         if self.logit_bias:
             ids, bias = zip(*self.logit_bias)
             scores[:, list(ids)] += torch.tensor(bias)
+        for r in range(n) if self.bad_words else ():
+            before = (output + added[r])[-max(len(words) for words in self.bad_words) :]
+            for words in self.bad_words:
+                if len(words) == 1 or tuple(before[len(before) - len(words) + 1 :]) == words[:-1]:
+                    scores[r, words[-1]] = float("-inf")
         if not (self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1):
             return scores
         counts = (

@@ -57,6 +57,7 @@ class SamplingParams:
     logprobs: bool = False  # return each token's logprob (specserve/logprobs.py)
     top_logprobs: int = 0  # and the likeliest tokens' beside it, at most 20
     min_p: float = 0.0  # after temperature: tokens less likely than min_p times the likeliest go
+    ignore_eos: bool = False  # go on past end-of-sequence tokens, to max_tokens
     processing: LogitProcessing = LogitProcessing()  # penalties, biases, masks: before all of it
 
     def __post_init__(self) -> None:
@@ -89,7 +90,9 @@ class SamplingParams:
                 message.min_tokens,
                 tuple(message.stop_token_ids),
                 tuple(message.allowed_token_ids),
+                tuple(tuple(words.token_ids) for words in message.bad_words),
             ),
+            ignore_eos=message.ignore_eos,
         )
 
     def to_proto(self) -> common_pb2.SamplingParams:
@@ -108,6 +111,8 @@ class SamplingParams:
             min_tokens=self.processing.min_tokens,
             stop_token_ids=self.processing.stop_token_ids,
             allowed_token_ids=self.processing.allowed_token_ids,
+            ignore_eos=self.ignore_eos,
+            bad_words=[common_pb2.TokenSequence(token_ids=words) for words in self.processing.bad_words],
         )
 
 

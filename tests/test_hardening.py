@@ -59,7 +59,7 @@ def test_hostile_requests_get_4xx_never_a_5xx_or_a_dropped_connection(keyed):
     [({"temperature": 1e300}, "temperature"), ({"top_p": 1e-300}, "top_p"), ({"presence_penalty": 5}, "presence_penalty"),
      ({"logit_bias": {"x": 1}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
      ({"tools": [{"type": "function"}]}, "tools"), ({"min_p": -0.1}, "min_p"), ({"stop_token_ids": [10**7]}, "stop_token_ids"),
-     ({"ignore_eos": True}, "ignore_eos"), ({"stop": ["x"] * 65}, "stop")],
+     ({"use_beam_search": True}, "use_beam_search"), ({"stop": ["x"] * 65}, "stop")],
 )  # fmt: skip
 def test_a_parameter_out_of_range_or_not_supported_is_a_400_that_names_it(keyed, fields, param):
     body = {"prompt": "hi", "max_tokens": 2, **fields}

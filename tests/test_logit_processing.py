@@ -30,6 +30,9 @@ def test_penalties_biases_and_masks_follow_vllms_arithmetic():
     assert out[2][4] == 11.0 / 2 - 0.25 - 0.5 and out[2][2] == 0.5  # 2: neither seen nor masked
     allowed = LogitProcessing(allowed_token_ids=(1, 3)).apply(logits[:1], [], [], [[]], eos=(0,))
     assert torch.isinf(allowed[0, [0, 2, 4]]).all() and allowed[0, 3] == 3.0
+    bad = LogitProcessing(bad_words=((3,), (1, 4), (2, 1, 0))).apply(logits[:2], [], [1], [[], [2]], eos=(0,))
+    assert torch.isinf(bad[0, [3, 4]]).all() and not torch.isinf(bad[0, [0, 1, 2]]).any()  # after [1]: 4 completes
+    assert torch.isinf(bad[1, [3]]).all() and not torch.isinf(bad[1, [0, 4]]).any()  # after [1, 2]: nothing but 3
     only_ends = LogitProcessing(allowed_token_ids=(0,), min_tokens=5).apply(logits[:1], [], [], [[]], eos=(0,))
     assert only_ends[0, 0] == 2.0  # no row is left without a token to draw
     with pytest.raises(InvalidArgument, match="presence_penalty"):
@@ -114,3 +117,19 @@ def test_bad_processing_settings_are_a_400_naming_the_field(stack, body, param):
     reply = httpx.post(f"{stack.url}/v1/completions", json={"prompt": "a", **body}, timeout=30)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+def test_ignore_eos_goes_on_and_bad_words_are_never_completed(stack):
+    forced = {"logit_bias": {"256": 100}}  # the tiny target's end-of-sequence, every time
+    method = {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}
+    stopped = _complete(stack.url, [1, 2], method, **forced)
+    assert stopped["choices"][0]["token_ids"] == [256] and stopped["choices"][0]["finish_reason"] == "stop"
+    for speculation in (method, {"method": "none"}):
+        going = _complete(stack.url, [1, 2], speculation, ignore_eos=True, max_tokens=7, **forced)
+        assert going["choices"][0]["token_ids"] == [256] * 7 and going["choices"][0]["finish_reason"] == "length"
+    plain = _complete(stack.url, PROMPTS[0], {"method": "none"})["choices"][0]
+    word = plain["text"][:3].strip() or plain["text"][:3]
+    banned = [_complete(stack.url, PROMPTS[0], speculation, bad_words=[word])["choices"][0] for speculation in
+              ({"method": "none"}, method, {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})]  # fmt: skip
+    assert banned[0]["token_ids"] == banned[1]["token_ids"] == banned[2]["token_ids"] != plain["token_ids"]
+    assert word not in banned[0]["text"]

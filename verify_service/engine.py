@@ -139,7 +139,9 @@ class Verifier:
         done = (
             job.ended.is_set()
             or job.max_tokens <= made
-            or outcome.next_token_id in self.loaded.eos_token_ids
+            or (
+                outcome.next_token_id in self.loaded.eos_token_ids and not (job.sampling or session.sampling).ignore_eos
+            )
             or outcome.num_verified >= self.loaded.max_context_length
         )
         if done:
@@ -359,7 +361,8 @@ class Verifier:
 
     def _commit(self, row: Row, num_accepted: int, next_token: int) -> Outcome:
         kept = row.drafts if row.path is None else keep_path(self.backend, row)
-        num_accepted, next_token = stop_at_end_of_sequence(kept, num_accepted, next_token, self.loaded.eos_token_ids)
+        ends = () if row.sampling.ignore_eos else self.loaded.eos_token_ids
+        num_accepted, next_token = stop_at_end_of_sequence(kept, num_accepted, next_token, ends)
         hidden = row.session.sequence.hidden  # of the rows whose logits the forward gave
         last = num_accepted if row.path is None else [0, *row.path][num_accepted]  # the next token's
         row.session.hidden = hidden[last].clone() if hidden is not None and last < hidden.shape[0] else None

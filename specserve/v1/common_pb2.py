@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/common.proto\x12\x0cspecserve.v1\"\x93\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\r\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12?\n\nlogit_bias\x18\n \x03(\x0b\x32+.specserve.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x19\n\x11\x61llowed_token_ids\x18\x0e \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"Z\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"+\n\tTokenTree\x12\x0f\n\x07parents\x18\x01 \x03(\x05\x12\r\n\x05ranks\x18\x02 \x03(\x05\"\xcc\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x1e\n\x16max_speculative_tokens\x18\x05 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x15\n\rlocal_methods\x18\x08 \x03(\t\"\x12\n\x10ModelInfoRequestb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/common.proto\x12\x0cspecserve.v1\"\xd7\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\r\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12?\n\nlogit_bias\x18\n \x03(\x0b\x32+.specserve.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x19\n\x11\x61llowed_token_ids\x18\x0e \x03(\x05\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12.\n\tbad_words\x18\x10 \x03(\x0b\x32\x1b.specserve.v1.TokenSequence\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"Z\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"+\n\tTokenTree\x12\x0f\n\x07parents\x18\x01 \x03(\x05\x12\r\n\x05ranks\x18\x02 \x03(\x05\"\xcc\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x1e\n\x16max_speculative_tokens\x18\x05 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x15\n\rlocal_methods\x18\x08 \x03(\t\"\x12\n\x10ModelInfoRequestb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,17 +34,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=447
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=399
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=447
-  _globals['_TOKENLOGPROB']._serialized_start=449
-  _globals['_TOKENLOGPROB']._serialized_end=539
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=541
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=595
-  _globals['_TOKENTREE']._serialized_start=597
-  _globals['_TOKENTREE']._serialized_end=640
-  _globals['_MODELINFO']._serialized_start=643
-  _globals['_MODELINFO']._serialized_end=847
-  _globals['_MODELINFOREQUEST']._serialized_start=849
-  _globals['_MODELINFOREQUEST']._serialized_end=867
+  _globals['_SAMPLINGPARAMS']._serialized_end=515
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=467
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=515
+  _globals['_TOKENSEQUENCE']._serialized_start=517
+  _globals['_TOKENSEQUENCE']._serialized_end=551
+  _globals['_TOKENLOGPROB']._serialized_start=553
+  _globals['_TOKENLOGPROB']._serialized_end=643
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=645
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=699
+  _globals['_TOKENTREE']._serialized_start=701
+  _globals['_TOKENTREE']._serialized_end=744
+  _globals['_MODELINFO']._serialized_start=747
+  _globals['_MODELINFO']._serialized_end=951
+  _globals['_MODELINFOREQUEST']._serialized_start=953
+  _globals['_MODELINFOREQUEST']._serialized_end=971
 # @@protoc_insertion_point(module_scope)
