@@ -50,7 +50,7 @@ FALLBACK_CHAT_TEMPLATE = (
 
 UNTRACED_PATHS = ("/health", "/metrics")
 TOKENIZER_THREADS = 2
-MAX_PROMPTS = 16  # a completion's batch of prompts
+MAX_PROMPTS = 16  # a completion's batch of prompts, and its choices (prompts times n) in all
 
 
 @dataclass
@@ -270,6 +270,8 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def completions(request: CompletionRequest, http: Request):
         check_model(request.model, gateway.served)
         prompts, texts = await gateway.off_loop(gateway.completion_prompts, request)
+        if len(prompts) * (request.n or 1) > MAX_PROMPTS:  # each choice holds a verifier session
+            raise bad_request(f"prompts times n is at most {MAX_PROMPTS} per request", "n")
         plans = [gateway.plan(request, prompt, http.scope["state"].get("tenant", "")) for prompt in prompts]
         return await respond(gateway, request, plans, chat=False, http=http, texts=texts)
 

@@ -152,9 +152,10 @@ async def respond(
     response.n = request.n or 1
     runs, n = [], response.n
     for number, plan in enumerate(plans):
-        # A prompt's choices share its prefill: the first prefills, the others copy its cache.
-        loop = asyncio.get_running_loop()
-        shared = loop.create_future() if n > 1 and plan.prompt_logprobs is None else None
+        # A prompt's sampled choices share its prefill: the first prefills, the others copy its
+        # cache (greedy choices are all one, each from a prefill of its own: the leader's).
+        copies = n > 1 and plan.prompt_logprobs is None and not plan.sampling.is_greedy
+        shared = asyncio.get_running_loop().create_future() if copies else None
         for j in range(n):
             choice = choice_plan(plan, j)
             observer = RequestObserver(gateway.metrics, chat, gateway.served.name, choice, request_id)
@@ -183,23 +184,35 @@ async def respond(
                 await run.close(error)
             raise
         return StreamingResponse(_stream(runs, firsts, request.include_usage()), media_type="text/event-stream")
-    # A plain request's client may leave (a timeout): its generation stops there, and its
-    # sessions are freed at once (a stream's is stopped by the response itself).
+    texts = await _all_texts(runs, http)
+    if texts is None:
+        return Response(status_code=499)  # nobody reads it
+    choices = [run.choice(text) for run, text in zip(runs, texts)]
+    return response.full(choices, _usage(runs))
+
+
+async def _all_texts(runs: list[_Run], http: Request | None) -> list[str] | None:
+    """Every choice's whole text; None where the client left first. A plain request's client
+    may leave (a timeout): its generation stops there, and its sessions are freed at once (a
+    stream's is stopped by the response itself); a choice that fails stops the others."""
     wholes = [asyncio.ensure_future(_whole(run)) for run in runs]
     gone = asyncio.ensure_future(_disconnected(http)) if http is not None else None
     try:
         everything = asyncio.gather(*wholes)
         await asyncio.wait([everything] + ([gone] if gone else []), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not everything.done():
-            everything.cancel()
+        failed = everything.done() and not everything.cancelled() and everything.exception() is not None
+        if not everything.done() or failed:  # the client gone, or a choice failed: all stop
+            for whole in wholes:
+                whole.cancel()
             await asyncio.wait(wholes)
         if gone is not None:
             gone.cancel()
+    if failed:
+        raise everything.exception()
     if any(whole.cancelled() for whole in wholes):
-        return Response(status_code=499)  # nobody reads it
-    choices = [run.choice(whole.result()) for run, whole in zip(runs, wholes)]
-    return response.full(choices, _usage(runs))
+        return None
+    return [whole.result() for whole in wholes]
 
 
 async def _whole(run: _Run) -> str:

@@ -54,8 +54,10 @@ class LogitProcessing:
         self, logits: torch.Tensor, prompt: list[int], output: list[int], added: list[list[int]], eos: tuple[int, ...]
     ) -> torch.Tensor:
         """logits [n, vocab] processed, row r after output + added[r] (the output: the tokens
-        after the prompt); float32."""
-        scores = logits.float().clone()
+        after the prompt); float32, on the CPU (a round's few rows). A row the masks would leave
+        without a token (allowed_token_ids against bad_words or min_tokens) keeps its logits."""
+        raw = logits.float().cpu()
+        scores = raw.clone()
         n, vocab = scores.shape
         if self.allowed_token_ids:
             mask = torch.full((vocab,), float("-inf"))
@@ -77,6 +79,8 @@ class LogitProcessing:
             for words in self.bad_words:
                 if len(words) == 1 or tuple(before[len(before) - len(words) + 1 :]) == words[:-1]:
                     scores[r, words[-1]] = float("-inf")
+        dead = torch.isinf(scores).all(-1)
+        scores[dead] = raw[dead]
         if not (self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1):
             return scores
         counts = (

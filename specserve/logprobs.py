@@ -1,6 +1,8 @@
 """Token log-probabilities under the target (OpenAI's and vLLM's logprobs): the log-softmax
-of the target's logits at a token's position, before temperature, top-k and top-p (vLLM's
-default "raw" logprobs, and what a log-likelihood evaluation scores). They are computed in
+of the target's logits at a token's position, after the request's logits processing
+(penalties, biases, masks: specserve/logit_processing.py; none asked, the model's own, which
+a log-likelihood evaluation scores) and before temperature, top-k and top-p. A token a mask
+rules out has -9999 (vLLM's stand-in for minus infinity, which JSON cannot carry). They are computed in
 the verifier from the logits its decision read, for accepted drafts, recovered and bonus
 tokens alike, so a token's logprob does not depend on whether a draft proposed it: the
 target's logits of a position are the same to the bit for any K, tree or batch
@@ -15,6 +17,7 @@ import torch
 from specserve.v1 import common_pb2
 
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
+FLOOR = -9999.0  # a masked token's logprob (vLLM's), finite for JSON
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     likeliest tokens' of the row."""
     if not tokens:
         return []
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
+    logprobs = torch.log_softmax(logits.float(), dim=-1).nan_to_num(nan=FLOOR, neginf=FLOOR)  # [n, vocab]
     chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]  # [n]
     ranks = ((logprobs > chosen[:, None]).sum(-1) + 1).tolist()
     if top <= 0:

@@ -353,3 +353,10 @@ def test_a_prefill_may_copy_another_sessions_cache_of_its_prompt(tiny_pair, monk
     assert [o.next_token_id for o in made] == [o.next_token_id for o in alone]
     verifier.step([PrefillJob("other", (5, 6, 7), GREEDY, copy_of="first")])  # not its prompt: in full
     assert copies == [len(prompt) - 1, len(prompt) - 1]
+
+
+def test_a_prefill_refused_for_its_settings_holds_no_slot(tiny_pair):
+    verifier = _colocated_verifier(tiny_pair)
+    used = verifier.backend.in_use
+    [refused] = verifier.step([PrefillJob("bad", (1, 2, 3), GREEDY, prompt_logprobs=21)])
+    assert "prompt_top_logprobs" in str(refused) and verifier.backend.in_use == used and "bad" not in verifier.sessions

@@ -33,6 +33,8 @@ def test_penalties_biases_and_masks_follow_vllms_arithmetic():
     bad = LogitProcessing(bad_words=((3,), (1, 4), (2, 1, 0))).apply(logits[:2], [], [1], [[], [2]], eos=(0,))
     assert torch.isinf(bad[0, [3, 4]]).all() and not torch.isinf(bad[0, [0, 1, 2]]).any()  # after [1]: 4 completes
     assert torch.isinf(bad[1, [3]]).all() and not torch.isinf(bad[1, [0, 4]]).any()  # after [1, 2]: nothing but 3
+    nothing_left = LogitProcessing(allowed_token_ids=(3,), bad_words=((3,),)).apply(logits[:1], [], [], [[]], (0,))
+    assert nothing_left[0].tolist() == logits[0].tolist()  # no token left: the row keeps its logits
     only_ends = LogitProcessing(allowed_token_ids=(0,), min_tokens=5).apply(logits[:1], [], [], [[]], eos=(0,))
     assert only_ends[0, 0] == 2.0  # no row is left without a token to draw
     with pytest.raises(InvalidArgument, match="presence_penalty"):
@@ -133,3 +135,13 @@ def test_ignore_eos_goes_on_and_bad_words_are_never_completed(stack):
               ({"method": "none"}, method, {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})]  # fmt: skip
     assert banned[0]["token_ids"] == banned[1]["token_ids"] == banned[2]["token_ids"] != plain["token_ids"]
     assert word not in banned[0]["text"]
+
+
+def test_masked_tokens_logprobs_are_finite_and_one_request_holds_at_most_16_sessions(stack):
+    body = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0, "allowed_token_ids": [7, 8], "logprobs": 5}
+    reply = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text  # -inf would not be JSON
+    tops = reply.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(min(top.values()) == -9999.0 for top in tops)
+    many = httpx.post(f"{stack.url}/v1/completions", json={"prompt": ["a", "b", "c"], "n": 6}, timeout=60)
+    assert many.status_code == 400 and many.json()["error"]["param"] == "n"

@@ -185,3 +185,15 @@ def test_a_batch_of_prompts_is_a_choice_per_prompt_and_sample(stack):
         assert by_index[2 * number] == by_index[2 * number + 1] == alone.choices[0].model_extra["token_ids"]
     texts = client.completions.create(model="target", prompt=["ab", "cd"], max_tokens=3, temperature=0, echo=True)
     assert [c.text[:2] for c in sorted(texts.choices, key=lambda c: c.index)] == ["ab", "cd"]
+
+
+def test_greedy_choices_are_the_single_choice_output_on_a_long_prompt(stack):
+    """Greedy choices each prefill the prompt themselves (as the first does): all are the one
+    target-only output, also where the prefill runs eager (over 16 tokens)."""
+    client = _client(stack)
+    prompt = list(range(40, 70))
+    alone = client.completions.create(model="target", prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"return_token_ids": True}).choices[0].model_extra["token_ids"]  # fmt: skip
+    three = client.completions.create(model="target", prompt=prompt, max_tokens=8, temperature=0, n=3,
+                                      extra_body={"return_token_ids": True})  # fmt: skip
+    assert [c.model_extra["token_ids"] for c in three.choices] == [alone] * 3

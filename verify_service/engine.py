@@ -249,6 +249,9 @@ class Verifier:
         )
         check_token_ids(job.token_ids, self.loaded.vocab_size, "token_ids")
         check_token_ids(job.sampling.processing.token_ids(), self.loaded.vocab_size, "sampling's token ids")
+        require(job.prompt_length <= len(job.token_ids), "prompt_length must not exceed the tokens sent")
+        top = job.prompt_logprobs
+        require(top is None or 0 <= top <= MAX_TOP_LOGPROBS, f"prompt_top_logprobs must lie in 0..{MAX_TOP_LOGPROBS}")
         existing = self.sessions.get(job.session_id)
         if existing is not None:  # a restart of the session reuses its cache slot
             existing.sequence.truncate(0)
@@ -266,9 +269,6 @@ class Verifier:
             feed = feed[-1:]  # the rest is in the cache already, copied
         row = Row(job.session_id, session, feed, (), (), job.sampling, len(job.token_ids), is_new, True)
         if job.prompt_logprobs is not None:
-            require(
-                0 <= job.prompt_logprobs <= MAX_TOP_LOGPROBS, f"prompt_top_logprobs must lie in 0..{MAX_TOP_LOGPROBS}"
-            )
             row.prompt_logits, row.prompt_top = torch.empty(0), job.prompt_logprobs  # asked for: the forward fills it
         return row
 
