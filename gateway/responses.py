@@ -167,7 +167,8 @@ async def respond(
             ends = frozenset() if plan.sampling.ignore_eos else gateway.served.eos_token_ids
             stops = ends | frozenset(plan.sampling.processing.stop_token_ids)
             include = bool(request.include_stop_str_in_output)
-            assembler = TextAssembler(gateway.tokenizer, stops, request.stop_strings(), plan.max_tokens, include)
+            assembler = TextAssembler(gateway.tokenizer, stops, request.stop_strings(), plan.max_tokens, include,
+                                      plan.sampling.processing.min_tokens)  # fmt: skip
             if plan.max_tokens == 0:
                 assembler.finish_reason = "length"  # the prompt's logprobs only
             index = number * n + j

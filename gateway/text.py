@@ -25,10 +25,12 @@ class TextAssembler:
     stop: tuple[str, ...]
     max_tokens: int
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string ends the text
+    min_tokens: int = 0  # stop strings count only once the completion has this many tokens (vLLM's)
     token_ids: list[int] = field(default_factory=list)
     emitted_text: str = ""
     finish_reason: str | None = None
     text: str = ""  # all decoded so far (what is shown, and what is held back)
+    _stop_horizon: int = 0  # text decoded before min_tokens, where no stop string may start
     _prefix: int = 0  # the window: tokens [_prefix, _read) are decoded into text already, as
     _read: int = 0  # context for the ones after them (a token's text may depend on the one before)
 
@@ -37,7 +39,10 @@ class TextAssembler:
         taken = self._take(new_tokens)
         self.text += self._decode_new()
         text = self.text
-        stop_at = self._find_stop(text)
+        if len(self.token_ids) < self.min_tokens:  # no stop yet: what is decoded so far cannot hold one
+            stop_at, self._stop_horizon = None, len(text)
+        else:
+            stop_at = self._find_stop(text)
         if stop_at is not None:
             text, self.finish_reason = text[: stop_at[0] + (len(stop_at[1]) if self.include_stop else 0)], "stop"
         if self.finish_reason is None:
@@ -82,7 +87,8 @@ class TextAssembler:
     def _find_stop(self, text: str) -> tuple[int, str] | None:
         """Where the first stop string starts, and which (the longest there)."""
         # Only text after what was already shown can hold a new stop string (plus overlap).
-        horizon = max(0, len(self.emitted_text) - max((len(s) for s in self.stop), default=0))
+        longest = max((len(s) for s in self.stop), default=0)
+        horizon = max(0, len(self.emitted_text) - longest, self._stop_horizon - longest + 1)
         hits = [(i, -len(s), s) for s in self.stop if (i := text.find(s, horizon)) >= 0]
         return (min(hits)[0], min(hits)[2]) if hits else None
 

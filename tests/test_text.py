@@ -75,3 +75,19 @@ def test_incremental_text_is_the_whole_decode_and_decodes_only_a_window():
         i, size = i + size, size % 5 + 1
     assert shown == TOKENIZER.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
     assert max(lengths) <= 4 * 5  # a few rounds' tokens (a split character widens it), never thousands
+
+
+def test_stop_strings_wait_for_min_tokens():
+    """vLLM's min_tokens: no stop string ends a completion shorter than it; one that begins
+    before it and ends after it counts."""
+    early = TextAssembler(TOKENIZER, frozenset({256}), ("b",), 10)
+    assert early.add(ids("ab")).text == "a" and early.finish_reason == "stop"
+    waiting = TextAssembler(TOKENIZER, frozenset({256}), ("b",), 10, min_tokens=3)
+    waiting.add(ids("ab"))
+    assert waiting.finish_reason is None
+    waiting.add(ids("cb"))
+    assert waiting.finish_reason == "stop" and waiting.emitted_text == "abc"
+    straddling = TextAssembler(TOKENIZER, frozenset({256}), ("xy",), 10, min_tokens=2)
+    straddling.add(ids("ax"))
+    straddling.add(ids("yz"))
+    assert straddling.finish_reason == "stop" and straddling.emitted_text == "a"
