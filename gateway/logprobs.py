@@ -31,11 +31,10 @@ class LogprobFormat:
             self._text[token] = self.tokenizer.decode([token])
         return self._text[token]
 
-    def completion(self, token_ids: list[int], records: list, offset: int, prompt: bool = False) -> dict:
-        """A completions `logprobs` object for token_ids (records: theirs; prompt: they are the
-        prompt's, its first token without one); offset: the text's length before them."""
+    def completion(self, token_ids: list[int], records: list, offset: int) -> dict:
+        """A completions `logprobs` object for token_ids (records: theirs, None for a token
+        without one: echo's first prompt token); offset: the text's length before them."""
         tokens = [self.text(t) for t in token_ids]
-        records = ([None] if prompt and token_ids else []) + list(records)
         offsets = []
         for token in tokens:
             offsets.append(offset)
@@ -127,14 +126,8 @@ class ChoiceOutputs:
         if self.chat:
             out["logprobs"] = {"content": self.format.chat_content(ids, records)}
             return out
-        parts = []
-        if first and self.echo:
-            parts.append(self.format.completion(self.prompt_ids, self.logprobs.prompt, self.offset, prompt=True))
-            self.offset = parts[0]["text_offset"][-1] + len(parts[0]["tokens"][-1]) if self.prompt_ids else 0
-        parts.append(self.format.completion(ids, records, self.offset))
-        if parts[-1]["tokens"]:
-            self.offset = parts[-1]["text_offset"][-1] + len(parts[-1]["tokens"][-1])
-        merged = {key: [v for part in parts for v in part[key]] for key in ("tokens", "token_logprobs", "text_offset")}
-        merged["top_logprobs"] = [v for part in parts for v in part["top_logprobs"]] if self.format.top else None
-        out["logprobs"] = {k: merged[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        if first and self.echo and self.prompt_ids:  # the prompt's tokens first, its first without a logprob
+            ids, records = self.prompt_ids + ids, [None, *self.logprobs.prompt, *records]
+        out["logprobs"] = self.format.completion(ids, records, self.offset)
+        self.offset += sum(len(token) for token in out["logprobs"]["tokens"])
         return out

@@ -36,13 +36,13 @@ log = logging.getLogger("gateway.app")
 class _Response:
     """Builds OpenAI response objects for one request (completion or chat)."""
 
-    def __init__(self, chat: bool, model: str, return_token_ids: bool):
+    def __init__(self, chat: bool, model: str, return_token_ids: bool, n: int = 1):
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.return_token_ids = return_token_ids
-        self.n = 1  # choices per prompt
+        self.n = n  # choices per prompt
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
@@ -148,8 +148,7 @@ async def respond(
     each prompt's text, for echo."""
     stats = SpeculationStats()
     request_id = http.scope["state"].get("request_id", "") if http is not None else ""
-    response = _Response(chat, gateway.served.name, request.return_token_ids)
-    response.n = request.n or 1
+    response = _Response(chat, gateway.served.name, request.return_token_ids, request.n or 1)
     runs, n = [], response.n
     for number, plan in enumerate(plans):
         # A prompt's sampled choices share its prefill: the first prefills, the others copy its

@@ -43,7 +43,7 @@ class LogitProcessing:
 
     @property
     def active(self) -> bool:
-        return self != LogitProcessing()
+        return self != NEUTRAL  # read for every row of every round
 
     def token_ids(self) -> list[int]:
         """Every token id it names (each must lie in the vocabulary)."""
@@ -96,3 +96,6 @@ class LogitProcessing:
             penalised = torch.where(scores > 0, scores / self.repetition_penalty, scores * self.repetition_penalty)
             scores = torch.where(seen, penalised, scores)
         return scores - self.frequency_penalty * counts - self.presence_penalty * (counts > 0).float()
+
+
+NEUTRAL = LogitProcessing()  # asks for nothing
