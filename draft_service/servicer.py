@@ -37,7 +37,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 started = time.perf_counter()
                 if session is None:
                     session = self._drafter.open_session(
-                        request.session_id, request.method, request.tenant, request.isolated
+                        request.session_id, request.method, request.tenant, request.isolated, request.prompt_length
                     )
                 proposal = self._propose(session, request)
                 yield draft_pb2.DraftResponse(

@@ -195,9 +195,10 @@ class DraftStream:
         min_draft_probability: float = 0.0,
         tenant: str = "",
         isolated: bool = False,
+        prompt_length: int = 0,
     ):
         self._backends = backends
-        self._tenant, self._isolated = tenant, isolated
+        self._tenant, self._isolated, self._prompt_length = tenant, isolated, prompt_length
         self._session_id = session_id
         self._route = Route(backends.drafters, session_id)
         self._method = method
@@ -243,6 +244,7 @@ class DraftStream:
             tree=tree.to_proto() if tree is not None else None,
             tenant=self._tenant,
             isolated=self._isolated,
+            prompt_length=self._prompt_length,
         )
         self.last_request_bytes = request.ByteSize()
         timeout_s = self._backends.deadlines.draft_timeout_s

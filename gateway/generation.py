@@ -144,7 +144,15 @@ class _Session:
         self.route = Route(backends.verifiers, session_id)  # the verifier replica that holds it
         remote = plan.method != "none" and not plan.local
         self.drafter = (
-            DraftStream(backends, session_id, plan.method, plan.min_draft_probability, plan.tenant, plan.isolated)
+            DraftStream(
+                backends,
+                session_id,
+                plan.method,
+                plan.min_draft_probability,
+                plan.tenant,
+                plan.isolated,
+                len(plan.prompt_token_ids),
+            )
             if remote
             else None
         )

@@ -29,16 +29,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.context_lookup import CopyScore, common_prefix, ngram_drafts, one_hot
+from specserve.context_lookup import common_prefix, ngram_drafts, one_hot
+from specserve.draft_jobs import DraftJob, DraftOptions, DraftSession, Proposal
 from specserve.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted, require
-from specserve.model.backends import Backend, ForwardRow, KVSequence, forward_in_budget
+from specserve.model.backends import Backend, ForwardRow, forward_in_budget
 from specserve.model.loading import LoadedModel
 from specserve.protocol import SparseDistribution, check_token_ids
 from specserve.sampling import SamplingParams, processed_probs, sample_sparse, truncate_to_support
 from specserve.serving.metrics import ServiceMetrics
 from specserve.suffix import SuffixSession, SuffixStore
 from specserve.tree_drafting import draft_trees
-from specserve.trees import TreeShape
 
 log = logging.getLogger(__name__)
 
@@ -48,72 +48,6 @@ MODEL_FREE = ("ngram", "suffix")  # methods that need no model, always served
 # A catch-up of at most this many tokens per row runs as one step of token rows (the accepted
 # drafts the cache lacks and the round's last token, usually); a new session's prompt in chunks.
 CATCH_UP_STEP_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class DraftOptions:
-    """What a drafter needs to know of its host service."""
-
-    vocab_size: int
-    max_context_length: int
-    max_sessions: int
-    max_speculative_tokens: int = 16
-    support_size: int = 32  # draft tokens are drawn from the draft's top support_size tokens, renormalised
-    ngram_max: int = 4  # longest suffix the ngram drafter looks up
-    copy_min_ngram: int = 2  # a model draft copies where a suffix this long repeats (0: never)
-    max_batched_tokens: int = 2048
-
-    @classmethod
-    def of(cls, config, loaded: LoadedModel) -> DraftOptions:
-        """From a service's config (the draft service's or the verifier's: they name these
-        fields alike), for the vocabulary and context window of loaded."""
-        return cls(
-            vocab_size=loaded.vocab_size,
-            max_context_length=loaded.max_context_length,
-            max_sessions=config.max_sessions,
-            max_speculative_tokens=config.max_speculative_tokens,
-            support_size=config.support_size,
-            ngram_max=config.ngram_max,
-            copy_min_ngram=config.copy_min_ngram,
-            max_batched_tokens=config.max_batched_tokens,
-        )
-
-
-@dataclass
-class DraftSession:
-    """Owned by one stream; only the batcher's worker thread touches its state."""
-
-    session_id: str
-    method: str
-    sequence: KVSequence | None  # None for ngram and suffix: there is no cache
-    verified: list[int] = field(default_factory=list)
-    cached_tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the cache
-    copy_score: CopyScore = field(default_factory=CopyScore)  # whether its drafts start with a copy
-    suffix: SuffixSession | None = None  # method suffix's counts (specserve/suffix.py)
-
-
-@dataclass(frozen=True)
-class DraftJob:
-    session: DraftSession
-    tokens: tuple[int, ...]  # verified tokens from num_verified - len(tokens) on
-    num_verified: int
-    num_speculative_tokens: int
-    sampling: SamplingParams
-    min_draft_probability: float = 0.0
-    want_bonus_guess: bool = False
-    tree: TreeShape | None = None  # draft a token tree of this shape (specserve/tree_drafting.py)
-
-
-@dataclass(frozen=True)
-class Proposal:
-    num_verified: int
-    draft_token_ids: tuple[int, ...]
-    draft_distributions: tuple[SparseDistribution, ...]
-    bonus_guess: int = -1
-    batch_size: int = 1
-    batch_started_ns: int = 0  # wall-clock (time.time_ns) start and end of the batch
-    batch_ended_ns: int = 0
-    draft_parents: tuple[int, ...] = ()  # a tree's: each draft's parent (0 the root); () a chain
 
 
 @dataclass
@@ -131,6 +65,16 @@ class _Drafting:
     bonus_guess: int = -1
     parents: list[int] = field(default_factory=list)  # a tree's
 
+    def processed(self, logits: torch.Tensor, added: list[int]) -> torch.Tensor:
+        """The draft's logits [vocab] at a position after the request's logits processing,
+        from the output and then added (the round's drafts before the position), as the
+        verifier processes the target's there: penalised drafts follow the penalised target.
+        Unchanged where the request asks for none."""
+        processing, session = self.job.sampling.processing, self.job.session
+        if not processing.active:
+            return logits
+        return processing.after(self.verified, session.prompt_length, session.eos_token_ids)(logits, added)
+
     def draws_at(self, i: int) -> bool:
         """Whether position i (0 = the first draft) is drawn: a draft, or the bonus guess."""
         return i < self.k or (i == self.k and self.job.want_bonus_guess and len(self.drafts) == self.k)
@@ -147,8 +91,11 @@ class Drafter:
         self._lock = threading.Lock()  # open and close come from stream threads
         self.suffix = SuffixStore()  # method suffix's table shared across sessions, per tenant
 
-    def open_session(self, session_id: str, method: str, tenant: str = "", isolated: bool = False) -> DraftSession:
-        """Method suffix learns from the finished sessions of the same tenant (none: isolated)."""
+    def open_session(
+        self, session_id: str, method: str, tenant: str = "", isolated: bool = False, prompt_length: int = 0
+    ) -> DraftSession:
+        """Method suffix learns from the finished sessions of the same tenant (none: isolated).
+        prompt_length: the verified tokens that are the prompt (0: all the first job sends)."""
         method = method or "draft_model"
         require(method in METHODS, f"method must be one of {', '.join(METHODS)}, got {method!r}")
         if method not in MODEL_FREE and method not in self.models:
@@ -160,7 +107,8 @@ class Drafter:
             self._sessions += 1
             self._observe_sessions()
         suffix = SuffixSession(tenant, shared=not isolated) if method == "suffix" else None
-        return DraftSession(session_id, method, sequence, suffix=suffix)
+        eos = () if method in MODEL_FREE else self.models[method].eos_token_ids
+        return DraftSession(session_id, method, sequence, suffix=suffix, prompt_length=prompt_length, eos_token_ids=eos)
 
     def close_session(self, session: DraftSession) -> None:
         if session.suffix is not None:
@@ -242,6 +190,7 @@ class Drafter:
         verified = job.session.verified  # extended in place: what it holds up to start stays verified
         del verified[start:]  # a start before the end rewinds
         verified.extend(job.tokens)
+        job.session.prompt_length = job.session.prompt_length or len(verified)
         _, context = self._limits(job.session.method)
         room = context - len(verified) - (1 if job.want_bonus_guess else 0)
         d = _Drafting(job, verified, max(0, min(job.num_speculative_tokens, room)), start=start)
@@ -303,6 +252,8 @@ class Drafter:
         job = d.job
         if len(batch) > 1 or not job.sampling.is_greedy or job.min_draft_probability > 0 or job.want_bonus_guess:
             return False
+        if job.sampling.processing.active:  # each draft is the argmax of its processed logits
+            return False
         steps = d.k - len(d.copied)  # drafts the model makes
         if steps < 2:
             return False
@@ -325,8 +276,11 @@ class Drafter:
 
     def _draw_into(self, d: _Drafting, logits: torch.Tensor, argmax: int, i: int) -> None:
         """Position i's draw from the draft's logits [vocab] (argmax: their argmax, a greedy
-        request's draw)."""
+        request's draw, before the request's logits processing)."""
         sampling, position = d.job.sampling, len(d.verified) + i
+        if sampling.processing.active:
+            logits = d.processed(logits, d.drafts)
+            argmax = int(logits.argmax())
         if i == d.k:  # the bonus guess: a draw like the others, kept apart
             d.bonus_guess = argmax if sampling.is_greedy else self._draw(logits, sampling, position)[0]
             return

@@ -50,6 +50,13 @@ class LogitProcessing:
         named = [t for t, _ in self.logit_bias] + list(self.stop_token_ids) + list(self.allowed_token_ids)
         return named + [t for words in self.bad_words for t in words]
 
+    def after(self, tokens: list[int], prompt_length: int, eos: tuple[int, ...]):
+        """A function (logits [vocab], added) -> logits processed at the position after tokens
+        (the first prompt_length of them the prompt) and then added (a round's drafts before
+        the position): how a drafter shapes its own logits as the verifier does the target's."""
+        prompt, output = tokens[:prompt_length], tokens[prompt_length:]
+        return lambda logits, added: self.apply(logits[None], prompt, output, [list(added)], eos)[0]
+
     def apply(
         self, logits: torch.Tensor, prompt: list[int], output: list[int], added: list[list[int]], eos: tuple[int, ...]
     ) -> torch.Tensor:

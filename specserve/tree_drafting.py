@@ -71,8 +71,8 @@ class TreePlan:
 
     def _draw_children(self, node: int, support_size: int) -> None:
         job = self.drafting.job
-        sampling, logits = job.sampling, self.logits[node]
-        position = len(self.drafting.verified) + self.depths[node]
+        sampling, position = job.sampling, len(self.drafting.verified) + self.depths[node]
+        logits = self.drafting.processed(self.logits[node], self._path(node))
         if sampling.is_greedy:
             top = torch.topk(logits, max(self.ranks[c] for c in self.children[node]) + 1).indices.tolist()
             for child in self.children[node]:
@@ -87,6 +87,14 @@ class TreePlan:
             if token in seen:
                 self.repeats.add(child)
             seen.add(token)
+
+    def _path(self, node: int) -> list[int]:
+        """The drafts from the root to node, node's included."""
+        path = []
+        while node > 0:
+            path.append(self.tokens[node])
+            node = self.parents[node]
+        return path[::-1]
 
     def nodes(self, fed: list[int]) -> TreeNodes:
         self.fed.extend(fed)

@@ -4,6 +4,7 @@ a draft that disagrees with the target."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from specserve.errors import InvalidArgument
 from specserve.logit_processing import LogitProcessing
+from specserve.serving.batching import Again
 from tests.test_e2e import PROMPTS, _chi_square
 
 
@@ -145,3 +147,57 @@ def test_masked_tokens_logprobs_are_finite_and_one_request_holds_at_most_16_sess
     assert all(min(top.values()) == -9999.0 for top in tops)
     many = httpx.post(f"{stack.url}/v1/completions", json={"prompt": ["a", "b", "c"], "n": 6}, timeout=60)
     assert many.status_code == 400 and many.json()["error"]["param"] == "n"
+
+
+def _decode_with(verifier, session: str, prompt: tuple[int, ...], sampling, speculation, max_tokens: int) -> list:
+    """Every Outcome of a decode after the prefill, run batch by batch to its end."""
+    from verify_service.jobs import DecodeJob, PrefillJob
+
+    verifier.step([PrefillJob(session, prompt, sampling)])
+    made = []
+    job = DecodeJob(session, len(prompt) + 1, max_tokens, None, made.append, threading.Event(), speculation=speculation)
+    while isinstance(result := verifier.step([job])[0], Again):
+        job = result.item
+    assert not isinstance(result, Exception), result
+    return made
+
+
+@pytest.mark.parametrize("method", ["draft_model", "draft_model_tree"])
+def test_a_draft_processed_as_the_target_is_accepted_whole(tiny_pair, monkeypatch, method):
+    """The draft is the target itself: with its logits processed as the verifier processes
+    the target's (the output and the round's drafts before each position counted), every
+    greedy draft holds; left unprocessed, the penalties reject some."""
+    from specserve.drafting import Drafter, DraftOptions
+    from specserve.model.loading import load_model
+    from specserve.sampling import SamplingParams
+    from specserve.speculation import Speculation
+    from specserve.trees import TreeShape
+    from verify_service.config import VerifyConfig
+    from verify_service.engine import Verifier
+    from verify_service.local_drafts import LocalDrafting
+
+    target_dir, _ = tiny_pair
+    target = load_model(str(target_dir), torch.device("cpu"), torch.float32)
+    draft = load_model(str(target_dir), torch.device("cpu"), torch.float32, row_invariant=False)
+    verifier = Verifier(target, VerifyConfig(), None, LocalDrafting(Drafter({"draft_model": draft},
+                        DraftOptions.of(VerifyConfig(), target)), 16))  # fmt: skip
+    processing = LogitProcessing(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.5)
+    penalised = SamplingParams(temperature=0, processing=processing)
+    tree = TreeShape.parse([2, 1, 1]) if method.endswith("tree") else None
+    speculation = Speculation("draft_model", len(tree) if tree else 3, adaptive=False, tree=tree)
+    prompt = (104, 105, 104, 105, 104, 105, 32, 7)
+
+    def rounds(session: str) -> list:
+        return _decode_with(verifier, session, prompt, penalised, speculation, 30)
+
+    def tokens(outcomes) -> list[int]:
+        return [t for o in outcomes for t in (*o.accepted_token_ids, o.next_token_id)]
+
+    reference = tokens(_decode_with(verifier, "none", prompt, penalised, None, 30))
+    processed = rounds("processed")
+    assert tokens(processed) == reference
+    assert len(processed) <= 30 // 4 + 1  # 3 drafts and a token a round: every draft held
+    monkeypatch.setattr(LogitProcessing, "after", lambda self, *a: lambda logits, added: logits)
+    unprocessed = rounds("unprocessed")
+    assert tokens(unprocessed) == reference  # still exact: only fewer drafts hold
+    assert sum(o.num_accepted for o in unprocessed) < sum(o.num_accepted for o in processed)

@@ -135,6 +135,20 @@ def test_medusa_rounds_draft_a_copy_then_the_heads_guesses_and_trees_of_their_to
     drafts, q, parents = drafting.propose([([7, 8, 7], hidden, 3, None, False)])[0]
     assert drafts == (8, 7, guesses[2]) and parents == ()
     assert [(d.token_ids, d.probs) for d in q] == [((8,), (1.0,)), ((7,), (1.0,)), ((guesses[2],), (1.0,))]
+
+    # Logits processing: each head's token is the argmax of its logits processed after the
+    # drafts before it (here: a draft already in the chain is masked), and a tree becomes a chain.
+    def no_repeats(logits, added):
+        return logits.index_fill(0, torch.tensor(added + [guesses[0]], dtype=torch.long), float("-inf"))
+
+    ranked = [heads.logits(hidden, lm_head)[head].topk(4).indices.tolist() for head in range(3)]
+    chain = [ranked[0][1]]
+    for head in (1, 2):
+        chain.append(next(t for t in ranked[head] if t not in chain and t != guesses[0]))
+    tree = TreeShape.from_children_per_depth([2, 1])
+    assert drafting.propose([(unrepeated, hidden, 3, None, True)], [no_repeats]) == [(tuple(chain), (), ())]
+    assert drafting.propose([(unrepeated, hidden, 3, tree, True)], [no_repeats])[0][0] == tuple(chain[:2])
+    assert drafting.propose([(repeated, hidden, 4, None, True)], [no_repeats])[0][0][:3] == (8, 9, 10)  # copies stay
     # No hidden state (the transformers backend): the copy alone.
     assert drafting.propose([(repeated, None, 3, None, True)])[0][0] == (8, 9, 10)
     assert drafting.propose([(unrepeated, None, 3, None, True)])[0][0] == ()

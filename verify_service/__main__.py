@@ -90,7 +90,8 @@ def medusa_drafting(config: VerifyConfig, target: LoadedModel) -> MedusaDrafting
         raise ValueError("Medusa heads need the runner backend (this target is served by transformers)")
     heads = load_heads(config.medusa, config.model, dtype=runner.dtype)
     log.info("Medusa heads: %d from %s", heads.config.num_heads, config.medusa)
-    return MedusaDrafting(heads, runner.lm_head, config.ngram_max, copy=config.copy_min_ngram > 0)
+    copy = config.copy_min_ngram > 0
+    return MedusaDrafting(heads, runner.lm_head, config.ngram_max, copy, target.eos_token_ids)
 
 
 def main(argv: list[str] | None = None) -> int:

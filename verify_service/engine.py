@@ -217,7 +217,7 @@ class Verifier:
             check_tree_speculation(
                 job.speculation.tree, self.backend.supports_trees, self.config.max_speculative_tokens
             )
-        session.drafts = self.local.session_drafts(session.drafts, job.speculation)
+        session.drafts = self.local.session_drafts(session.drafts, job.speculation, session.prompt_length)
 
     def _draft_locally(self, jobs: list[Job], rows: list[tuple[int, Row]]) -> DraftTiming | None:
         """Drafts every speculative decode's round at once, before the batch's forward: each

@@ -38,6 +38,7 @@ class SessionDrafts:
     drafted_rounds: int = 0
     last_k: int = 0  # the K of the round before
     tree_round: bool = False  # whether the round drafted now is a tree
+    prompt_length: int = 0  # the session's tokens that are its prompt (logits processing counts the rest)
 
     def observe(self, outcome, round_s: float) -> None:
         """Feeds a round's Outcome to the chooser: its drafting, its verify (forward and
@@ -110,9 +111,12 @@ class LocalDrafting:
         own = (("medusa",) if self.medusa is not None else ()) + (("lookahead",) if self.lookahead else ())
         return (*self.drafter.models, "ngram", "suffix", *own)
 
-    def session_drafts(self, current: SessionDrafts | None, speculation: Speculation) -> SessionDrafts:
+    def session_drafts(
+        self, current: SessionDrafts | None, speculation: Speculation, prompt_length: int = 0
+    ) -> SessionDrafts:
         """The session's drafting for these settings: the current one, or a new one when the
-        settings changed (the old one closed once the new one is open)."""
+        settings changed (the old one closed once the new one is open). prompt_length: the
+        session's tokens that are its prompt (the drafts' logits processing counts the rest)."""
         if current is not None and current.speculation == speculation:
             return current
         chooser = KChooser(speculation, self.shared, self.max_speculative_tokens)
@@ -120,12 +124,14 @@ class LocalDrafting:
             shape = self.lookahead.with_settings(speculation.lookahead)  # raises for a bad setting
             self.close(current)
             session = LookaheadSession(shape, self.drafter.options.ngram_max, self.lookahead_every_round)
-            return SessionDrafts(speculation, None, chooser, session)
+            return SessionDrafts(speculation, None, chooser, session, prompt_length=prompt_length)
         draft = None
         if speculation.method != "medusa":  # raises for a method not served, or when full
-            draft = self.drafter.open_session("", speculation.method, speculation.tenant, speculation.isolated)
+            draft = self.drafter.open_session(
+                "", speculation.method, speculation.tenant, speculation.isolated, prompt_length
+            )
         self.close(current)
-        return SessionDrafts(speculation, draft, chooser)
+        return SessionDrafts(speculation, draft, chooser, prompt_length=prompt_length)
 
     def observe_target_only(self, outcome, round_s: float) -> None:
         """A target-only decode's token: what a round without drafts costs."""
@@ -176,13 +182,16 @@ class LocalDrafting:
             self._failures.warning("lookahead drafting failed (%s); the round runs target-only", error)
 
     def _medusa(self, jobs: list, rows: list[int], out: list[LocalProposal]) -> None:
-        asked = []
+        asked, process = [], []
         for i in rows:
             drafts, verified, choice, sampling, hidden = jobs[i]
-            drafts.tree_round = choice.tree is not None and sampling.is_greedy
+            processing = sampling.processing
+            drafts.tree_round = choice.tree is not None and sampling.is_greedy and not processing.active
             asked.append((verified, hidden, choice.k, choice.tree, sampling.is_greedy))
+            eos = self.medusa.eos_token_ids
+            process.append(processing.after(verified, drafts.prompt_length, eos) if processing.active else None)
         try:
-            proposals = self.medusa.propose(asked)
+            proposals = self.medusa.propose(asked, process)
         except Exception as error:  # noqa: BLE001 - drafts are optional: the rounds run target-only
             self._failures.warning("Medusa drafting failed (%s); the round runs target-only", error)
             return

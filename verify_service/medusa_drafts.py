@@ -32,8 +32,10 @@ from specserve.trees import TreeShape
 
 
 class MedusaDrafting:
-    def __init__(self, heads: MedusaHeads, lm_head: Linear, ngram_max: int, copy: bool = True):
-        """lm_head: the target runner's. The heads' matrices are multiplied as one, in the LM
+    def __init__(
+        self, heads: MedusaHeads, lm_head: Linear, ngram_max: int, copy: bool = True, eos_token_ids: tuple = ()
+    ):
+        """lm_head: the target runner's (eos_token_ids: the target's, for logits processing). The heads' matrices are multiplied as one, in the LM
         head's dtype (a 16-bit one prepacked: each round's product is one row per head)."""
         self.num_heads = heads.config.num_heads
         weight = torch.cat([head.weight for head in heads.heads]).detach()  # [heads * hidden, hidden]
@@ -43,36 +45,47 @@ class MedusaDrafting:
         self.lm_head = lm_head
         self.ngram_max = ngram_max
         self.copy = copy
+        self.eos_token_ids = eos_token_ids
 
     @torch.inference_mode()
-    def propose(self, rows: list[tuple[list[int], torch.Tensor | None, int, TreeShape | None, bool]]) -> list:
+    def propose(self, rows: list[tuple[list[int], torch.Tensor | None, int, TreeShape | None, bool]], process=None):
         """Per row (verified tokens, hidden state, k, tree or None, greedy): (drafts, their q,
         the tree's parents or ()). The heads run only where a round needs their guesses: a
-        copy that fills a chain needs none."""
+        copy that fills a chain needs none. process: per row, None or the request's logits
+        processing as a function (logits [vocab], the drafts before the position) -> logits;
+        such a row drafts a chain, each head's token the argmax of its processed logits."""
+        process = process or [None] * len(rows)
         plans = []
-        for verified, hidden, k, tree, greedy in rows:
+        for (verified, hidden, k, tree, greedy), processed in zip(rows, process):
             depth = tree.depth() if tree is not None else k
-            tree = tree if greedy else None  # a sampled round drafts the tree's first branch
+            tree = tree if greedy and processed is None else None  # else the tree's first branch
             copy = ngram_drafts(verified, depth, self.ngram_max) if self.copy else []
             first = 0 if tree is not None else len(copy)  # a tree's other ranks need every depth's guesses
             heads = range(first, min(depth, self.num_heads)) if hidden is not None else range(0)
             plans.append((copy[:depth], depth, tree, heads))
         width = max((max(tree.ranks) + 1 for _, _, tree, _ in plans if tree is not None), default=1)
-        guesses = self._top([(row[1], plan[3]) for row, plan in zip(rows, plans)], width)
+        asked = [(row[1], plan[3], processed is not None) for row, plan, processed in zip(rows, plans, process)]
+        guesses = self._top(asked, width)
         out = []
-        for (copy, depth, tree, heads), (_, _, _, _, greedy), candidates in zip(plans, rows, guesses):
-            chain = list(copy) + [candidates[head][0] for head in range(len(copy), depth) if head in heads]
+        for (copy, depth, tree, heads), row, candidates, processed in zip(plans, rows, guesses, process):
+            chain = list(copy)
+            for head in range(len(copy), depth):
+                if head not in heads:  # no hidden state, or past the last head
+                    break
+                guess = candidates[head]
+                chain.append(guess[0] if processed is None else int(processed(guess, chain).argmax()))
             if tree is None:
-                out.append((tuple(chain), () if greedy else one_hot(chain), ()))
+                out.append((tuple(chain), () if row[4] else one_hot(chain), ()))
             else:
                 drafts, parents = _tree_nodes(tree, chain, [candidates[head] for head in heads])
                 out.append((drafts, (), parents))
         return out
 
-    def _top(self, asked: list[tuple[torch.Tensor | None, range]], width: int) -> list[dict[int, list[int]]]:
-        """Per row (hidden state, heads wanted), each wanted head's top width tokens."""
-        wanted = [(i, head) for i, (_, heads) in enumerate(asked) for head in heads]
-        out: list[dict[int, list[int]]] = [{} for _ in asked]
+    def _top(self, asked: list[tuple[torch.Tensor | None, range, bool]], width: int) -> list[dict[int, object]]:
+        """Per row (hidden state, heads wanted, whether its logits are wanted), each wanted
+        head's top width tokens, or its logits [vocab]."""
+        wanted = [(i, head) for i, (_, heads, _) in enumerate(asked) for head in heads]
+        out: list[dict[int, object]] = [{} for _ in asked]
         if not wanted:
             return out
         present = sorted({i for i, _ in wanted})
@@ -82,9 +95,10 @@ class MedusaDrafting:
         place = {i: j for j, i in enumerate(present)}
         rows, heads = [place[i] for i, _ in wanted], [head for _, head in wanted]
         guessed = hidden[rows] + F.silu(products[rows, heads])  # [wanted, hidden]
-        ids = self.lm_head(guessed).topk(width, dim=-1).indices.tolist()
-        for (i, head), top in zip(wanted, ids):
-            out[i][head] = top
+        logits = self.lm_head(guessed)
+        ids = logits.topk(width, dim=-1).indices.tolist()
+        for j, ((i, head), top) in enumerate(zip(wanted, ids)):
+            out[i][head] = logits[j] if asked[i][2] else top
         return out
 
 

@@ -89,6 +89,7 @@ class Row:
     accepted_per_position: list[int] = field(default_factory=list)
     batch_sizes: dict[str, int] = field(default_factory=dict)
     samples: list[tuple[int, float]] = field(default_factory=list)  # one client: (tokens, seconds) per prompt
+    request: dict = field(default_factory=dict)  # fields every request of the row sends besides its own
 
     @property
     def label(self) -> str:
@@ -210,7 +211,7 @@ def stream_one(
     if row.lookahead:
         speculation["lookahead"] = dict(zip(("window", "ngram", "guesses"), map(int, row.lookahead.split(","))))
     headers = {"Authorization": f"Bearer {row.key}"} if row.key else {}
-    body = {"max_tokens": max_tokens, "temperature": row.temperature, "seed": seed, "stream": True,
+    body = {**row.request, "max_tokens": max_tokens, "temperature": row.temperature, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}, "return_timings": True, "return_token_ids": True,
             "speculation": speculation}  # fmt: skip
     if row.adaptive and row.temperature > 0:
@@ -331,6 +332,8 @@ def run(args, url: str, metrics_port: int | None = None) -> list[Row]:
     from tqdm import tqdm
 
     rows = plan_rows(args)
+    for row in rows:
+        row.request = dict(getattr(args, "request", {}))
     if getattr(args, "row_keys", False):  # each row a tenant of its own: no row drafts from another's answers
         assert len(rows) < len(ROW_KEYS), f"at most {len(ROW_KEYS) - 1} rows"
         for row, key in zip(rows, ROW_KEYS[1:]):
@@ -671,8 +674,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="skip the in-process transformers rows")  # fmt: skip
     parser.add_argument("--hf-dtypes", nargs="+", default=["float32", "float16"], choices=["float32", "float16", "bfloat16"],
                         help="dtypes of the transformers rows' models (hf_assisted: the first)")  # fmt: skip
+    parser.add_argument(
+        "--request",
+        type=_request_fields,
+        default={},
+        metavar="JSON",
+        help="fields every request of the stack's rows sends, target-only's too, e.g. "
+        '\'{"presence_penalty": 0.5, "logprobs": 1}\' (transformers rows ignore them)',
+    )
     parser.add_argument("--output", default="bench-results", help="directory for bench.json, bench.md and PNGs")
     return parser
+
+
+def _request_fields(text: str) -> dict:
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(fields, dict):
+        raise argparse.ArgumentTypeError("a JSON object of request fields")
+    return fields
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specserve.v1 import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specserve/v1/draft.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xa4\x03\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x14\n\x0cnum_verified\x18\x03 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\r\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x43\n\rtrace_context\x18\x06 \x03(\x0b\x32,.specserve.v1.DraftRequest.TraceContextEntry\x12\x0e\n\x06method\x18\x07 \x01(\t\x12\x1d\n\x15min_draft_probability\x18\x08 \x01(\x02\x12\x18\n\x10want_bonus_guess\x18\t \x01(\x08\x12%\n\x04tree\x18\n \x01(\x0b\x32\x17.specserve.v1.TokenTree\x12\x0e\n\x06tenant\x18\x0b \x01(\t\x12\x10\n\x08isolated\x18\x0c \x01(\x08\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd4\x01\n\rDraftResponse\x12\x14\n\x0cnum_verified\x18\x01 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12=\n\x13\x64raft_distributions\x18\x03 \x03(\x0b\x32 .specserve.v1.SparseDistribution\x12\x15\n\rdraft_seconds\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x13\n\x0b\x62onus_guess\x18\x06 \x01(\x05\x12\x15\n\rdraft_parents\x18\x07 \x03(\x05\x32\x9d\x01\n\x0c\x44raftService\x12\x44\n\x05\x44raft\x12\x1a.specserve.v1.DraftRequest\x1a\x1b.specserve.v1.DraftResponse(\x01\x30\x01\x12G\n\x0cGetModelInfo\x12\x1e.specserve.v1.ModelInfoRequest\x1a\x17.specserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specserve/v1/draft.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xbb\x03\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x14\n\x0cnum_verified\x18\x03 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\r\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x43\n\rtrace_context\x18\x06 \x03(\x0b\x32,.specserve.v1.DraftRequest.TraceContextEntry\x12\x0e\n\x06method\x18\x07 \x01(\t\x12\x1d\n\x15min_draft_probability\x18\x08 \x01(\x02\x12\x18\n\x10want_bonus_guess\x18\t \x01(\x08\x12%\n\x04tree\x18\n \x01(\x0b\x32\x17.specserve.v1.TokenTree\x12\x0e\n\x06tenant\x18\x0b \x01(\t\x12\x10\n\x08isolated\x18\x0c \x01(\x08\x12\x15\n\rprompt_length\x18\r \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd4\x01\n\rDraftResponse\x12\x14\n\x0cnum_verified\x18\x01 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12=\n\x13\x64raft_distributions\x18\x03 \x03(\x0b\x32 .specserve.v1.SparseDistribution\x12\x15\n\rdraft_seconds\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x13\n\x0b\x62onus_guess\x18\x06 \x01(\x05\x12\x15\n\rdraft_parents\x18\x07 \x03(\x05\x32\x9d\x01\n\x0c\x44raftService\x12\x44\n\x05\x44raft\x12\x1a.specserve.v1.DraftRequest\x1a\x1b.specserve.v1.DraftResponse(\x01\x30\x01\x12G\n\x0cGetModelInfo\x12\x1e.specserve.v1.ModelInfoRequest\x1a\x17.specserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_DRAFTREQUEST']._serialized_start=70
-  _globals['_DRAFTREQUEST']._serialized_end=490
-  _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._serialized_start=439
-  _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._serialized_end=490
-  _globals['_DRAFTRESPONSE']._serialized_start=493
-  _globals['_DRAFTRESPONSE']._serialized_end=705
-  _globals['_DRAFTSERVICE']._serialized_start=708
-  _globals['_DRAFTSERVICE']._serialized_end=865
+  _globals['_DRAFTREQUEST']._serialized_end=513
+  _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._serialized_start=462
+  _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._serialized_end=513
+  _globals['_DRAFTRESPONSE']._serialized_start=516
+  _globals['_DRAFTRESPONSE']._serialized_end=728
+  _globals['_DRAFTSERVICE']._serialized_start=731
+  _globals['_DRAFTSERVICE']._serialized_end=888
 # @@protoc_insertion_point(module_scope)

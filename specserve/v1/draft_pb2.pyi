@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "tokens", "num_verified", "num_speculative_tokens", "sampling", "trace_context", "method", "min_draft_probability", "want_bonus_guess", "tree", "tenant", "isolated")
+    __slots__ = ("session_id", "tokens", "num_verified", "num_speculative_tokens", "sampling", "trace_context", "method", "min_draft_probability", "want_bonus_guess", "tree", "tenant", "isolated", "prompt_length")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class DraftRequest(_message.Message):
     TREE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     ISOLATED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     num_verified: int
@@ -40,7 +41,8 @@ class DraftRequest(_message.Message):
     tree: _common_pb2.TokenTree
     tenant: str
     isolated: bool
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., num_verified: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., method: _Optional[str] = ..., min_draft_probability: _Optional[float] = ..., want_bonus_guess: _Optional[bool] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., tenant: _Optional[str] = ..., isolated: _Optional[bool] = ...) -> None: ...
+    prompt_length: int
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., num_verified: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., method: _Optional[str] = ..., min_draft_probability: _Optional[float] = ..., want_bonus_guess: _Optional[bool] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., tenant: _Optional[str] = ..., isolated: _Optional[bool] = ..., prompt_length: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("num_verified", "draft_token_ids", "draft_distributions", "draft_seconds", "batch_size", "bonus_guess", "draft_parents")
