@@ -20,6 +20,12 @@ class DraftConfig(ServiceOptions):
         "(or more) tokens occurred before, while such copies hold the target's tokens at least as often as "
         "the model's drafts, and the model drafts the rest (0: never copy)",
     )
+    process_draft_logits: bool = field(
+        False,
+        "apply a request's logits processing (penalties, biases, masks) to the draft's own logits as to the "
+        "target's: more drafts hold where the draft's logits are scaled like the target's; the demo draft's are "
+        "flatter, and kept fewer with it (docs/benchmarks.md). Exact either way",
+    )
     support_size: int = field(32, "draft tokens are drawn from the draft's top support_size tokens, renormalised")
     max_speculative_tokens: int = field(16, "largest K accepted per request")
     max_sessions: int = field(256, "most concurrent sessions (streams); beyond it RESOURCE_EXHAUSTED")

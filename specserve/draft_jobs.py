@@ -25,6 +25,7 @@ class DraftOptions:
     support_size: int = 32  # draft tokens are drawn from the draft's top support_size tokens, renormalised
     ngram_max: int = 4  # longest suffix the ngram drafter looks up
     copy_min_ngram: int = 2  # a model draft copies where a suffix this long repeats (0: never)
+    process_logits: bool = False  # a request's penalties, biases and masks shape the draft's logits too
     max_batched_tokens: int = 2048
 
     @classmethod
@@ -39,6 +40,7 @@ class DraftOptions:
             support_size=config.support_size,
             ngram_max=config.ngram_max,
             copy_min_ngram=config.copy_min_ngram,
+            process_logits=config.process_draft_logits,
             max_batched_tokens=config.max_batched_tokens,
         )
 

@@ -64,16 +64,18 @@ class _Drafting:
     distributions: list[SparseDistribution] = field(default_factory=list)
     bonus_guess: int = -1
     parents: list[int] = field(default_factory=list)  # a tree's
+    process: bool = False  # the request's logits processing shapes the draft's logits (DraftOptions.process_logits)
 
     def processed(self, logits: torch.Tensor, added: list[int]) -> torch.Tensor:
         """The draft's logits [vocab] at a position after the request's logits processing,
         from the output and then added (the round's drafts before the position), as the
         verifier processes the target's there: penalised drafts follow the penalised target.
-        Unchanged where the request asks for none."""
-        processing, session = self.job.sampling.processing, self.job.session
-        if not processing.active:
+        Unchanged where the request asks for none, or the drafter does not process."""
+        if not self.process:
             return logits
-        return processing.after(self.verified, session.prompt_length, session.eos_token_ids)(logits, added)
+        session = self.job.session
+        after = self.job.sampling.processing.after(self.verified, session.prompt_length, session.eos_token_ids)
+        return after(logits, added)
 
     def draws_at(self, i: int) -> bool:
         """Whether position i (0 = the first draft) is drawn: a draft, or the bonus guess."""
@@ -194,6 +196,7 @@ class Drafter:
         _, context = self._limits(job.session.method)
         room = context - len(verified) - (1 if job.want_bonus_guess else 0)
         d = _Drafting(job, verified, max(0, min(job.num_speculative_tokens, room)), start=start)
+        d.process = self.options.process_logits and job.sampling.processing.active
         copy_n = self.options.copy_min_ngram
         if copy_n and job.session.method not in MODEL_FREE and job.tree is None:
             job.session.copy_score.judge(verified)
@@ -252,7 +255,7 @@ class Drafter:
         job = d.job
         if len(batch) > 1 or not job.sampling.is_greedy or job.min_draft_probability > 0 or job.want_bonus_guess:
             return False
-        if job.sampling.processing.active:  # each draft is the argmax of its processed logits
+        if d.process:  # each draft is the argmax of its processed logits
             return False
         steps = d.k - len(d.copied)  # drafts the model makes
         if steps < 2:
@@ -278,7 +281,7 @@ class Drafter:
         """Position i's draw from the draft's logits [vocab] (argmax: their argmax, a greedy
         request's draw, before the request's logits processing)."""
         sampling, position = d.job.sampling, len(d.verified) + i
-        if sampling.processing.active:
+        if d.process:
             logits = d.processed(logits, d.drafts)
             argmax = int(logits.argmax())
         if i == d.k:  # the bonus guess: a draw like the others, kept apart

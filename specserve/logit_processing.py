@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.errors import require
+from specserve_kernels.penalties import apply_penalties
 
 MAX_BIAS = 100.0  # OpenAI's range of a logit_bias value
 
@@ -61,26 +62,30 @@ class LogitProcessing:
         self, logits: torch.Tensor, prompt: list[int], output: list[int], added: list[list[int]], eos: tuple[int, ...]
     ) -> torch.Tensor:
         """logits [n, vocab] processed, row r after output + added[r] (the output: the tokens
-        after the prompt); float32, on the CPU (a round's few rows). A row the masks would leave
-        without a token (allowed_token_ids against bad_words or min_tokens) keeps its logits."""
-        raw = logits.float().cpu()
+        after the prompt); float32, on the logits' device (the penalties by the kernel of
+        specserve_kernels/penalties.py). A row the masks would leave without a token
+        (allowed_token_ids against bad_words or min_tokens) keeps its logits."""
+        raw = logits.float()
         scores = raw.clone()
         n, vocab = scores.shape
+        device = scores.device
         if self.allowed_token_ids:
-            mask = torch.full((vocab,), float("-inf"))
-            mask[list(self.allowed_token_ids)] = 0.0
+            mask = torch.full((vocab,), float("-inf"), device=device)
+            mask[torch.tensor(self.allowed_token_ids, device=device)] = 0.0
             scores += mask
         if self.min_tokens:
             short = [r for r in range(n) if len(output) + len(added[r]) < self.min_tokens]
             ended = [t for t in (*eos, *self.stop_token_ids) if t < vocab]
             if short and ended:
                 before = scores.clone()
-                scores[torch.tensor(short)[:, None], torch.tensor(ended)[None, :]] = float("-inf")
+                scores[torch.tensor(short, device=device)[:, None], torch.tensor(ended, device=device)[None, :]] = (
+                    float("-inf")
+                )
                 dead = torch.isinf(scores).all(-1)  # allowed_token_ids left only the ends: they stay
                 scores[dead] = before[dead]
         if self.logit_bias:
             ids, bias = zip(*self.logit_bias)
-            scores[:, list(ids)] += torch.tensor(bias)
+            scores[:, torch.tensor(ids, device=device)] += torch.tensor(bias, device=device)
         for r in range(n) if self.bad_words else ():
             before = (output + added[r])[-max(len(words) for words in self.bad_words) :]
             for words in self.bad_words:
@@ -90,19 +95,24 @@ class LogitProcessing:
         scores[dead] = raw[dead]
         if not (self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1):
             return scores
+        entries = (t.to(device) for t in self._entries(prompt, output, added, vocab))
+        return apply_penalties(scores, *entries, self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+
+    def _entries(self, prompt: list[int], output: list[int], added: list[list[int]], vocab: int) -> tuple:
+        """The penalties' entries (rows, tokens, counts, seen): per row, each token its output
+        holds (with the row's added tokens), and the prompt's where repetition applies."""
+        n = len(added)
         counts = (
             torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab).float().expand(n, vocab).clone()
         )
         for r, tokens in enumerate(added):
             if tokens:
                 counts[r].index_add_(0, torch.tensor(tokens), torch.ones(len(tokens)))
-        if self.repetition_penalty != 1:
-            seen = counts > 0
-            if prompt:
-                seen[:, torch.tensor(prompt)] = True
-            penalised = torch.where(scores > 0, scores / self.repetition_penalty, scores * self.repetition_penalty)
-            scores = torch.where(seen, penalised, scores)
-        return scores - self.frequency_penalty * counts - self.presence_penalty * (counts > 0).float()
+        seen = counts > 0
+        if prompt and self.repetition_penalty != 1:
+            seen[:, torch.tensor(prompt)] = True
+        rows, tokens = seen.nonzero(as_tuple=True)
+        return rows, tokens, counts[rows, tokens], seen[rows, tokens].to(torch.uint8)
 
 
 NEUTRAL = LogitProcessing()  # asks for nothing

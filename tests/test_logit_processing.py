@@ -163,7 +163,7 @@ def _decode_with(verifier, session: str, prompt: tuple[int, ...], sampling, spec
 
 
 @pytest.mark.parametrize("method", ["draft_model", "draft_model_tree"])
-def test_a_draft_processed_as_the_target_is_accepted_whole(tiny_pair, monkeypatch, method):
+def test_a_draft_processed_as_the_target_is_accepted_whole(tiny_pair, method):
     """The draft is the target itself: with its logits processed as the verifier processes
     the target's (the output and the round's drafts before each position counted), every
     greedy draft holds; left unprocessed, the penalties reject some."""
@@ -179,25 +179,62 @@ def test_a_draft_processed_as_the_target_is_accepted_whole(tiny_pair, monkeypatc
     target_dir, _ = tiny_pair
     target = load_model(str(target_dir), torch.device("cpu"), torch.float32)
     draft = load_model(str(target_dir), torch.device("cpu"), torch.float32, row_invariant=False)
-    verifier = Verifier(target, VerifyConfig(), None, LocalDrafting(Drafter({"draft_model": draft},
-                        DraftOptions.of(VerifyConfig(), target)), 16))  # fmt: skip
+
+    def verifier(process: bool) -> Verifier:
+        config = VerifyConfig(process_draft_logits=process)
+        return Verifier(target, config, None, LocalDrafting(Drafter({"draft_model": draft},
+                        DraftOptions.of(config, target)), 16))  # fmt: skip
+
     processing = LogitProcessing(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.5)
     penalised = SamplingParams(temperature=0, processing=processing)
     tree = TreeShape.parse([2, 1, 1]) if method.endswith("tree") else None
     speculation = Speculation("draft_model", len(tree) if tree else 3, adaptive=False, tree=tree)
     prompt = (104, 105, 104, 105, 104, 105, 32, 7)
 
-    def rounds(session: str) -> list:
-        return _decode_with(verifier, session, prompt, penalised, speculation, 30)
+    def rounds(engine: Verifier, session: str) -> list:
+        return _decode_with(engine, session, prompt, penalised, speculation, 30)
 
     def tokens(outcomes) -> list[int]:
         return [t for o in outcomes for t in (*o.accepted_token_ids, o.next_token_id)]
 
-    reference = tokens(_decode_with(verifier, "none", prompt, penalised, None, 30))
-    processed = rounds("processed")
+    reference = tokens(_decode_with(verifier(False), "none", prompt, penalised, None, 30))
+    processed = rounds(verifier(True), "processed")
     assert tokens(processed) == reference
     assert len(processed) <= 30 // 4 + 1  # 3 drafts and a token a round: every draft held
-    monkeypatch.setattr(LogitProcessing, "after", lambda self, *a: lambda logits, added: logits)
-    unprocessed = rounds("unprocessed")
+    unprocessed = rounds(verifier(False), "unprocessed")  # the default: drafts unprocessed
     assert tokens(unprocessed) == reference  # still exact: only fewer drafts hold
     assert sum(o.num_accepted for o in unprocessed) < sum(o.num_accepted for o in processed)
+
+
+@pytest.mark.parametrize(("rows", "vocab", "entries"), [(5, 300, 40), (1, 1000, 1), (3, 257, 0), (4, 2100, 700)])
+def test_the_penalties_kernel_equals_its_reference_and_the_dense_arithmetic(rows, vocab, entries):
+    """The Triton kernel (on CUDA where there is one, else under TRITON_INTERPRET) gives the
+    reference's penalised logits to the bit, and the reference is vLLM's dense arithmetic:
+    only the entries' logits change."""
+    import os
+
+    from specserve_kernels.penalties_reference import apply_penalties_reference
+
+    generator = torch.Generator().manual_seed(rows * vocab + entries)
+    scores = torch.randn(rows, vocab, generator=generator) * 3
+    scores[0, :5] = float("-inf")  # masked logits stay masked
+    flat = torch.randperm(rows * vocab, generator=generator)[:entries]  # distinct (row, token) pairs
+    row_ids, token_ids = flat // vocab, flat % vocab
+    counts = torch.randint(0, 4, (entries,), generator=generator).float()
+    seen = ((counts > 0) | (torch.rand(entries, generator=generator) < 0.3)).to(torch.uint8)
+    args = (row_ids, token_ids, counts, seen, 0.4, 0.25, 1.3)
+    expected = apply_penalties_reference(scores.clone(), *args)
+    dense_counts = torch.zeros(rows, vocab)
+    dense_counts[row_ids, token_ids] = counts
+    dense_seen = torch.zeros(rows, vocab, dtype=torch.bool)
+    dense_seen[row_ids, token_ids] = seen.bool()
+    dense = torch.where(dense_seen, torch.where(scores > 0, scores / 1.3, scores * 1.3), scores)
+    dense = dense - 0.25 * dense_counts - 0.4 * (dense_counts > 0).float()
+    assert torch.equal(expected, dense)
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs Triton (CUDA or TRITON_INTERPRET=1)")
+    from specserve_kernels.penalties_triton import apply_penalties_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    moved = [t.to(device) for t in (scores.clone(), *args[:4])]
+    assert torch.equal(apply_penalties_triton(*moved, *args[4:]).cpu(), expected)

@@ -197,3 +197,53 @@ def test_greedy_choices_are_the_single_choice_output_on_a_long_prompt(stack):
     three = client.completions.create(model="target", prompt=prompt, max_tokens=8, temperature=0, n=3,
                                       extra_body={"return_token_ids": True})  # fmt: skip
     assert [c.model_extra["token_ids"] for c in three.choices] == [alone] * 3
+
+
+@pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
+def test_a_prompt_is_scored_in_chunks_and_in_float32_where_the_matrices_are_16_bit(
+    tiny_pair, monkeypatch, matmul_dtype
+):
+    """The verifier scores a prompt chunk by chunk (never its whole [prompt, vocab] logits),
+    from float32 matrices where its own are bfloat16: within 1e-4 nats of transformers'
+    float32 forward, where the bfloat16 products are further off; the cache is written again
+    as a plain prefill writes it, so the next token is the plain prefill's."""
+    from specserve.model.loading import load_model
+    from specserve.sampling import SamplingParams
+    from verify_service import scoring
+    from verify_service.config import VerifyConfig
+    from verify_service.engine import Verifier
+    from verify_service.jobs import PrefillJob
+
+    target_dir, _ = tiny_pair
+    prompt = tuple((7 * i * i + 3 * i) % 256 for i in range(40))
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+    reference = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    greedy = SamplingParams(temperature=0)
+
+    def verifier(precise: bool) -> Verifier:
+        loaded = load_model(str(target_dir), torch.device("cpu"), torch.float32, matmul_dtype=matmul_dtype,
+                            precise_scoring=precise)  # fmt: skip
+        return Verifier(loaded, VerifyConfig(), None, None)
+
+    def scored(engine: Verifier, session: str):
+        outcome = engine.step([PrefillJob(session, prompt, greedy, prompt_logprobs=2)])[0]
+        assert not isinstance(outcome, Exception), outcome
+        return torch.tensor([r.logprob for r in outcome.prompt_logprobs]), outcome
+
+    monkeypatch.setattr(scoring, "SCORE_CHUNK_TOKENS", 16)  # three chunks
+    precise = verifier(True)
+    values, outcome = scored(precise, "chunked")
+    assert len(outcome.prompt_logprobs) == len(prompt) - 1 and all(
+        len(r.top_token_ids) == 2 for r in outcome.prompt_logprobs
+    )
+    assert (values - reference).abs().max() < 1e-4
+    plain = precise.step([PrefillJob("plain", prompt, greedy)])[0]
+    assert outcome.next_token_id == plain.next_token_id
+    monkeypatch.setattr(scoring, "SCORE_CHUNK_TOKENS", 512)  # one chunk: the same values, to rounding
+    assert (scored(precise, "whole")[0] - values).abs().max() < 1e-5
+    if matmul_dtype == "bfloat16":  # the float32 copy is what makes the difference
+        assert precise.backend.scores_precisely
+        products, _ = scored(verifier(False), "bf16")
+        assert (products - reference).abs().max() > 1e-3

@@ -28,6 +28,11 @@ class VerifyConfig(ServiceOptions):
         "dtype of the runner's weight matrices: auto (a 16-bit checkpoint on CPU: bfloat16 where the CPU has it, "
         "else float32; a colocated draft's: int8 where the CPU has bfloat16), or a dtype for both",
     )
+    precise_prompt_logprobs: bool = field(
+        True,
+        "prompts' logprobs (echo, prompt_logprobs: scoring) from a float32 copy of the target's matrices where "
+        "they are 16-bit on a CPU (the cache is then written again as a plain prefill writes it); more memory",
+    )
     threads: int = field(0, "torch CPU threads for the model (0: torch's default)")
     compile_steps: bool = field(
         True,
@@ -66,6 +71,12 @@ class VerifyConfig(ServiceOptions):
         "(or more) tokens occurred before, while such copies hold the target's tokens at least as often as "
         "the model's drafts, and the model drafts the rest (0: never copy; Medusa rounds copy after any "
         "repeated token unless 0)",
+    )
+    process_draft_logits: bool = field(
+        False,
+        "apply a request's logits processing (penalties, biases, masks) to the draft's own logits as to the "
+        "target's: more drafts hold where the draft's logits are scaled like the target's; the demo draft's are "
+        "flatter, and kept fewer with it (docs/benchmarks.md). Exact either way",
     )
     support_size: int = field(32, "colocated draft tokens are drawn from the draft's top support_size tokens")
     max_workers: int = field(

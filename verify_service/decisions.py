@@ -181,8 +181,8 @@ def logprobs_of(row, made: list[int]) -> dict:
     if row.sampling.logprobs:
         at = list(range(len(made))) if row.path is None else [0, *row.path][: len(made)]
         out["logprobs"] = tuple(token_logprobs(row.logits[at], made, top))
-    if row.prompt_logits is not None:
-        out["prompt_logprobs"] = tuple(token_logprobs(row.prompt_logits, row.feed[1:], row.prompt_top))
+    if row.prompt_logprobs is not None:  # made in the forward (verify_service/scoring.py)
+        out["prompt_logprobs"] = tuple(row.prompt_logprobs)
     return out
 
 
@@ -210,5 +210,5 @@ def process_logits(row, eos: tuple[int, ...]) -> None:
         added = [[]]
         for node in range(1, len(row.parents)):
             added.append([*added[row.parents[node]], row.feed[node]])
-    row.logits = processing.apply(row.logits, prompt, output, added, eos).to(row.logits.device)
+    row.logits = processing.apply(row.logits, prompt, output, added, eos)
     row.argmax = None

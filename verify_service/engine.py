@@ -21,8 +21,6 @@ import dataclasses
 import logging
 import time
 
-import torch
-
 from specserve.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, require
 from specserve.logprobs import MAX_TOP_LOGPROBS
 from specserve.model.backends import ForwardRow, forward_in_budget
@@ -35,6 +33,7 @@ from verify_service.config import VerifyConfig
 from verify_service.decisions import decide, logprobs_of, process_logits, stop_at_end_of_sequence
 from verify_service.jobs import DecodeJob, Job, Outcome, PrefillJob, ReleaseJob, Row, Session, SweepJob, VerifyJob
 from verify_service.local_drafts import DraftTiming, LocalDrafting
+from verify_service.scoring import score_prompt
 from verify_service.tree_rounds import check_tree, check_tree_speculation, keep_path, split_window, tree_nodes
 
 log = logging.getLogger(__name__)
@@ -269,7 +268,7 @@ class Verifier:
             feed = feed[-1:]  # the rest is in the cache already, copied
         row = Row(job.session_id, session, feed, (), (), job.sampling, len(job.token_ids), is_new, True)
         if job.prompt_logprobs is not None:
-            row.prompt_logits, row.prompt_top = torch.empty(0), job.prompt_logprobs  # asked for: the forward fills it
+            row.prompt_logprobs, row.prompt_top = [], job.prompt_logprobs  # asked for: the forward fills it
         return row
 
     def _copied(self, job: PrefillJob, sequence) -> bool:
@@ -316,18 +315,14 @@ class Verifier:
         return row
 
     def _forward(self, rows: list[Row]) -> None:
-        chains = [row for row in rows if row.parents is None]
-        wanted = [len(row.feed) if row.prompt_logits is not None else len(row.drafts) + 1 for row in chains]
-        forward_rows = [ForwardRow(row.session.sequence, row.feed, n) for row, n in zip(chains, wanted)]
+        scoring = [row for row in rows if row.prompt_logprobs is not None]  # each alone, in chunks, first
+        again = {id(row) for row in scoring if score_prompt(self.backend, row, self.config.max_batched_tokens)}
+        chains = [row for row in rows if row.parents is None and (row.prompt_logprobs is None or id(row) in again)]
+        forward_rows = [ForwardRow(row.session.sequence, row.feed, len(row.drafts) + 1) for row in chains]
         results = forward_in_budget(self.backend, forward_rows, self.config.max_batched_tokens)
         for row, (logits, argmax) in zip(chains, results):
             row.logits, row.argmax = logits, argmax
-            if row.prompt_logits is not None:  # the prompt's positions aside: the decision reads the last
-                row.prompt_logits, row.logits = logits[:-1], logits[-1:]
-                row.argmax = argmax[-1:] if argmax is not None else None
-                sequence = row.session.sequence
-                sequence.hidden = sequence.hidden[-1:] if sequence.hidden is not None else None
-        for row in chains:
+        for row in [*chains, *(row for row in scoring if id(row) not in again)]:
             process_logits(row, self.loaded.eos_token_ids)
         trees = [row for row in rows if row.parents is not None]
         if trees:

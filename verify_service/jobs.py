@@ -141,5 +141,5 @@ class Row:
     path: list[int] | None = None  # a token tree's nodes kept, from its decision
     window: int = 0  # a lookahead round's last nodes: its Jacobi window, which the decision does not read
     window_whole: bool = True  # whether all of the window's nodes were fed (a tree pruned to free slots: not)
-    prompt_logits: torch.Tensor | None = None  # a prefill's, asked for: of every prompt position but the last
+    prompt_logprobs: list | None = None  # a prefill's, asked for: its prompt tokens' from the second on
     prompt_top: int = 0  # the likeliest tokens' logprobs beside each prompt token's

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from specserve.drafting import Drafter, DraftJob, DraftSession, Proposal
 from specserve.errors import RequestError
+from specserve.logit_processing import NEUTRAL
 from specserve.lookahead import LookaheadSession, LookaheadShape
 from specserve.serving.logs import RateLimitedLog
 from specserve.speculation import KChooser, RoundChoice, Shared, Speculation
@@ -185,7 +186,7 @@ class LocalDrafting:
         asked, process = [], []
         for i in rows:
             drafts, verified, choice, sampling, hidden = jobs[i]
-            processing = sampling.processing
+            processing = sampling.processing if self.drafter.options.process_logits else NEUTRAL
             drafts.tree_round = choice.tree is not None and sampling.is_greedy and not processing.active
             asked.append((verified, hidden, choice.k, choice.tree, sampling.is_greedy))
             eos = self.medusa.eos_token_ids

@@ -94,6 +94,13 @@ class Backend(Protocol):
         """The logits [batch, vocab] float32 of each row's last token, and their argmax."""
         ...
 
+    scores_precisely: bool  # forward_scoring multiplies in float32 where the forwards do not
+
+    def forward_scoring(self, row: ForwardRow) -> torch.Tensor:
+        """A prompt's row alone, the logits [num_logits, vocab] float32 of a prompt's logprobs:
+        from float32 matrices where scores_precisely (the cache then holds what they made)."""
+        ...
+
     def greedy_continue(self, sequence: KVSequence, token: int, steps: int) -> list[int] | None:
         """A greedy draft continued as one call (token fed first, each argmax fed next):
         the steps tokens made, or None where the backend has no such call for steps."""
@@ -242,6 +249,18 @@ class RunnerBackend:
             row.sequence.hidden = normed
         return list(zip(logits, argmax))
 
+    @property
+    def scores_precisely(self) -> bool:
+        return self.runner.precise_weights is not None
+
+    def forward_scoring(self, row: ForwardRow) -> torch.Tensor:
+        if not self.scores_precisely:
+            return self.forward([row])[0]
+        logits, normed = self.runner.forward_scoring(row.sequence.slot, row.sequence.length, row.tokens)
+        row.sequence.length += len(row.tokens)
+        row.sequence.hidden = normed
+        return logits[-row.num_logits :]
+
     def forward_last(self, rows: list[ForwardRow]) -> tuple[torch.Tensor, list[int]]:
         logits, argmax = self.runner.forward_last(
             [row.sequence.slot for row in rows], [row.sequence.length for row in rows], [row.tokens for row in rows]
@@ -309,6 +328,11 @@ class TransformersBackend:
 
     def forward_with_argmax(self, rows: list[ForwardRow]) -> list[tuple[torch.Tensor, list[int] | None]]:
         return [(logits, None) for logits in self.forward(rows)]
+
+    scores_precisely = False
+
+    def forward_scoring(self, row: ForwardRow) -> torch.Tensor:
+        return self.forward([row])[0]
 
     def forward_last(self, rows: list[ForwardRow]) -> tuple[torch.Tensor, list[int]]:
         logits = torch.cat([x[-1:] for x in self.forward(rows)])

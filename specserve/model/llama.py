@@ -164,3 +164,20 @@ def rope_parameters(config, device: torch.device) -> tuple[torch.Tensor, float]:
         raise UnsupportedModel("dynamic RoPE scaling changes with sequence length; served by transformers")
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
     return inv_freq.to(device=device, dtype=torch.float), float(scaling)
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Index tensors of one ragged forward, shared by every layer. T = total new tokens."""
+
+    slots: torch.Tensor  # [batch] cache slot of each row
+    token_slots: torch.Tensor  # [T]
+    token_positions: torch.Tensor  # [T]
+    pad_index: torch.Tensor  # [T] index of each token in the padded [batch * n_max] layout
+    n_max: int
+    kv_len: int  # keys to read per row: max over rows of start + n
+    mask: torch.Tensor | None  # [batch, 1, n_max, kv_len] bool, True = may attend; None = no mask needed
+    single: tuple[int, int] | None  # (slot, start) when the batch is one row: views, no gathers
+    exact: bool  # attention runs query by query (kernels' exact_attention)
+    writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (token, slot, position) of
+    # every place a new key is stored, where not only its own (token-tree nodes: forward_nodes)

@@ -86,6 +86,7 @@ def load_for_service(
         num_layers=num_layers,
         row_invariant=row_invariant,
         compile_steps=compile_steps,
+        precise_scoring=getattr(config, "precise_prompt_logprobs", False),
     )
 
 
@@ -101,7 +102,10 @@ def load_model(
     num_layers: int | None = None,
     row_invariant: bool = True,
     compile_steps: bool = False,
+    precise_scoring: bool = False,
 ) -> LoadedModel:
+    """precise_scoring: a runner keeps float32 matrices for prompts' logprobs where its own
+    are 16-bit on a CPU (LlamaRunner)."""
     from transformers import AutoConfig
 
     directory = check_model_dir(path)
@@ -123,6 +127,7 @@ def load_model(
         num_layers,
         row_invariant,
         compile_steps,
+        precise_scoring,
     )
     log.info(
         "loaded %s with the %s backend (%s, %s%s) in %.1f s",
@@ -164,6 +169,7 @@ def _load_backend(
     num_layers=None,
     row_invariant=True,
     compile_steps=False,
+    precise_scoring=False,
 ) -> Backend:
     from specserve.model.runner import LlamaRunner, UnsupportedModel
 
@@ -181,6 +187,7 @@ def _load_backend(
                 num_layers,
                 row_invariant=row_invariant,
                 compile_steps=compile_steps,
+                precise_scoring=precise_scoring,
             )
             return RunnerBackend(runner)
         except UnsupportedModel as error:

@@ -14,7 +14,6 @@ import dataclasses
 import itertools
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from specserve.model.compiled_steps import CompiledSteps
 from specserve.model.llama import (
     EXACT_MAX_QUERIES,
     KEY_BLOCK,
+    BatchLayout,
     RunnerSpec,
     UnsupportedModel,
     decoder_layer,
@@ -37,23 +37,6 @@ from specserve_kernels.attention_reference import exact_attention_reference
 __all__ = ["EXACT_MAX_QUERIES", "KEY_BLOCK", "LlamaRunner", "RunnerSpec", "UnsupportedModel"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class BatchLayout:
-    """Index tensors of one ragged forward, shared by every layer. T = total new tokens."""
-
-    slots: torch.Tensor  # [batch] cache slot of each row
-    token_slots: torch.Tensor  # [T]
-    token_positions: torch.Tensor  # [T]
-    pad_index: torch.Tensor  # [T] index of each token in the padded [batch * n_max] layout
-    n_max: int
-    kv_len: int  # keys to read per row: max over rows of start + n
-    mask: torch.Tensor | None  # [batch, 1, n_max, kv_len] bool, True = may attend; None = no mask needed
-    single: tuple[int, int] | None  # (slot, start) when the batch is one row: views, no gathers
-    exact: bool  # attention runs query by query (kernels' exact_attention)
-    writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (token, slot, position) of
-    # every place a new key is stored, where not only its own (token-tree nodes: forward_nodes)
 
 
 class LlamaRunner:
@@ -69,6 +52,7 @@ class LlamaRunner:
         exact_attention: bool = True,
         row_invariant: bool = True,
         compile_steps: bool = False,
+        precise_scoring: bool = False,
     ):
         """dtype is what activations, norms and the KV cache use; matmul_dtype is what the
         weight matrices are kept and multiplied in (None: see auto_matmul_dtype). num_layers
@@ -77,7 +61,8 @@ class LlamaRunner:
         count, and float32 matrices need not be prepacked for it.
         compile_steps (on a CPU) builds one-token steps (specserve/model/compiled_steps.py): a
         target's before the constructor returns, a draft's in the background; once ready,
-        rows of up to EXACT_MAX_QUERIES tokens take them."""
+        rows of up to EXACT_MAX_QUERIES tokens take them. precise_scoring keeps a float32 copy
+        of the matrices where they are 16-bit on a CPU, for prompts' logprobs (forward_scoring)."""
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
@@ -92,6 +77,8 @@ class LlamaRunner:
         weights = Weights(Path(directory), self.spec, device, dtype, matmul_dtype, row_invariant)
         self.matmul_dtype, self.draft_matmul = weights.matmul_dtype, weights.draft_matmul
         self.embed, self.norm, self.lm_head, self.layers = weights.embed, weights.norm, weights.lm_head, weights.layers
+        precise = precise_scoring and device.type == "cpu" and dtype == torch.float32 != self.matmul_dtype
+        self.precise_weights = Weights(Path(directory), self.spec, device, dtype, dtype, False) if precise else None
         self._allocate_cache(num_slots, compile_steps)
         self.compiled_steps = self._start_compiled_steps() if compile_steps else None
 
@@ -266,7 +253,7 @@ class LlamaRunner:
             exact=True,
             writes=tuple(torch.tensor(column, device=self.device) for column in writes),
         )
-        x = self._layers(torch.tensor(tokens, dtype=torch.long, device=self.device), layout)
+        x = self._layers(torch.tensor(tokens, dtype=torch.long, device=self.device), layout, self)
         logits, hidden = final_outputs(x, self.norm, self.lm_head, self.spec.rms_norm_eps)
         return logits, None, hidden
 
@@ -276,28 +263,38 @@ class LlamaRunner:
             for cache in (*self.k_cache, *self.v_cache):
                 cache[target, :, start:end] = cache[source, :, start:end]
 
+    def forward_scoring(self, slot: int, start: int, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row's logits of every token and their normed hidden states, op by op, with the
+        float32 matrices where the runner keeps them (precise_weights): a prompt's logprobs."""
+        logits, hidden = self.forward_eager([slot], [start], [tokens], [len(tokens)], self.precise_weights)
+        return logits[0], hidden[0]
+
     @torch.inference_mode()
     def forward_eager(
-        self, slots: list[int], starts: list[int], tokens: list[list[int]], num_logits: list[int]
+        self, slots: list[int], starts: list[int], tokens: list[list[int]], num_logits: list[int], weights=None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """forward() op by op: per row its logits, and the normed hidden states they came from."""
+        """forward() op by op: per row its logits, and the normed hidden states they came from
+        (weights: other matrices than the runner's own, of the same checkpoint)."""
+        w = weights or self
         counts = [len(t) for t in tokens]
         layout = self._layout(slots, starts, counts)
-        x = self._layers(torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=self.device), layout)
+        x = self._layers(
+            torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=self.device), layout, w
+        )
         if len(counts) == 1:
             selected = x[-num_logits[0] :]
         else:
             ends = torch.tensor(counts, device=self.device).cumsum(0)
             picked = torch.cat([torch.arange(int(e) - k, int(e), device=self.device) for e, k in zip(ends, num_logits)])
             selected = x[picked]
-        logits, hidden = final_outputs(selected, self.norm, self.lm_head, self.spec.rms_norm_eps)
+        logits, hidden = final_outputs(selected, w.norm, w.lm_head, self.spec.rms_norm_eps)
         return list(logits.split(num_logits)), list(hidden.split(num_logits))  # [sum(num_logits), vocab / hidden]
 
-    def _layers(self, ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        """The decoder layers over tokens ids [T]: the last layer's x [T, hidden]."""
-        x = self.embed[ids].to(self.dtype)  # [T, hidden]
+    def _layers(self, ids: torch.Tensor, layout: BatchLayout, weights) -> torch.Tensor:
+        """The decoder layers (of weights) over tokens ids [T]: the last layer's x [T, hidden]."""
+        x = weights.embed[ids].to(self.dtype)  # [T, hidden]
         cos, sin = self._rope(layout)  # [T, head_dim]
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(weights.layers):
             x = decoder_layer(x, layer, self.spec, cos, sin, self._attend(index, layout))
         return x
 
