@@ -46,6 +46,7 @@ class Speculation(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk too, with include_usage
 
 
 # OpenAI's and vLLM's sampling and output fields that this server does not implement yet,
@@ -59,7 +60,6 @@ UNSUPPORTED = {
     "functions": ([],),
     "function_call": ("none", "auto"),
     "use_beam_search": (False,),
-    "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "guided_json": (),
     "guided_regex": (),
@@ -71,8 +71,6 @@ UNSUPPORTED = {
     "prediction": (),
     "audio": (),
     "modalities": (["text"],),
-    "continue_final_message": (False,),
-    "add_generation_prompt": (True,),
     "chat_template": (),
     "documents": (),
     "reasoning_effort": (),
@@ -92,7 +90,7 @@ class _GenerationRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # vLLM's range (a torch long)
     stop: str | list[str] | None = None
     n: int | None = None
     stream: bool = False
@@ -114,9 +112,20 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last N tokens
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first N instead
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
+    skip_special_tokens: bool = True  # vLLM's: false keeps special tokens' text in the output
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        return self.include_usage() and self.stream_options.continuous_usage_stats
+
+    def speculation_usage(self) -> bool:
+        """Whether usage carries `speculation` (specserve's): asked with a speculation object or
+        return_timings; left out otherwise, so that usage is OpenAI's own three counts."""
+        return self.speculation is not None or self.return_timings
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -158,15 +167,18 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
+    add_generation_prompt: bool = True  # the template's: open the assistant's turn
+    continue_final_message: bool = False  # the template's: leave the last message open, to be continued
+    echo: bool = False  # vLLM's: the reply starts with the last message's content, where it has the reply's role
 
-    def template_variables(self) -> dict:
-        """chat_template_kwargs: variables for the model's chat template (e.g. Qwen3's
-        enable_thinking); none may stand for one of the call's own arguments."""
-        variables = self.chat_template_kwargs or {}
-        taken = sorted(set(variables) & TEMPLATE_ARGUMENTS)
-        if taken:
-            raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
-        return variables
+    def response_role(self) -> str:
+        """vLLM's: the assistant's, or, with no generation prompt, the last message's role."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed(self) -> str:
+        """What echo puts before the reply: the last message's content, where its role is the reply's."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == self.response_role() else ""
 
 
 # apply_chat_template's own arguments, which chat_template_kwargs may not override.
@@ -191,18 +203,14 @@ TEMPLATE_ARGUMENTS = frozenset(
 )
 
 
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or chat messages rendered as a chat completion would be."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-
-
-class DetokenizeRequest(BaseModel):
-    model: str | None = None
-    tokens: list[int]
+def template_variables(kwargs: dict | None) -> dict:
+    """chat_template_kwargs: variables for the model's chat template (e.g. Qwen3's
+    enable_thinking); none may stand for one of the call's own arguments."""
+    variables = kwargs or {}
+    taken = sorted(set(variables) & TEMPLATE_ARGUMENTS)
+    if taken:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
+    return variables
 
 
 def check_model(requested: str | None, served: ServedModel) -> None:
@@ -219,6 +227,12 @@ def check_model(requested: str | None, served: ServedModel) -> None:
 def check_unsupported(request: _GenerationRequest) -> None:
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    if isinstance(request, ChatCompletionRequest) and request.add_generation_prompt and request.continue_final_message:
+        raise bad_request(
+            "add_generation_prompt and continue_final_message cannot both be true (set add_generation_prompt: false "
+            "to continue the last message)",
+            "continue_final_message",
+        )
     for name, value in (request.model_extra or {}).items():
         if name in UNSUPPORTED and value is not None and not any(_same(value, d) for d in UNSUPPORTED[name]):
             neutral = " or ".join(json.dumps(d) for d in UNSUPPORTED[name])
@@ -306,7 +320,8 @@ def plan_for(
 
 
 def _truncated(request: _GenerationRequest, prompt_token_ids: list[int], served: ServedModel) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last tokens (-1: as many as the context holds)."""
+    """vLLM's truncate_prompt_tokens: the prompt's last tokens (-1: as many as the context
+    holds), or its first with truncation_side "right"."""
     keep = request.truncate_prompt_tokens
     if keep is None:
         return prompt_token_ids
@@ -314,7 +329,7 @@ def _truncated(request: _GenerationRequest, prompt_token_ids: list[int], served:
         keep = served.max_context_length
     if keep < 1:
         raise bad_request("truncate_prompt_tokens must be >= 1 (or -1)", "truncate_prompt_tokens")
-    return prompt_token_ids[-keep:]
+    return prompt_token_ids[:keep] if request.truncation_side == "right" else prompt_token_ids[-keep:]
 
 
 def _checked_lengths(request: _GenerationRequest, prompt_token_ids: list[int], served: ServedModel) -> int:
@@ -322,12 +337,16 @@ def _checked_lengths(request: _GenerationRequest, prompt_token_ids: list[int], s
     known to fit the model (a 400 naming the field otherwise)."""
     if not prompt_token_ids:
         raise bad_request("the prompt must not be empty", "prompt")
-    if any(not 0 <= t < served.vocab_size for t in prompt_token_ids):
-        raise bad_request(f"prompt token ids must lie in [0, {served.vocab_size})", "prompt")
+    outside = next((t for t in prompt_token_ids if not 0 <= t < served.vocab_size), None)
+    if outside is not None:
+        raise bad_request(
+            f"token id {outside} is out of vocabulary: prompt token ids lie in [0, {served.vocab_size})", "prompt"
+        )
     room = served.max_context_length - len(prompt_token_ids)
     if room < 1:
         raise bad_request(
-            f"the prompt has {len(prompt_token_ids)} tokens; the context window is {served.max_context_length}",
+            f"This model's maximum context length is {served.max_context_length} tokens; "
+            f"the prompt has {len(prompt_token_ids)}",
             "prompt",
         )
     max_tokens = _max_tokens(request, room)
@@ -336,8 +355,8 @@ def _checked_lengths(request: _GenerationRequest, prompt_token_ids: list[int], s
         raise bad_request("max_tokens must be >= 1 (0 with echo or prompt_logprobs)", "max_tokens")
     if max_tokens > room:
         raise bad_request(
-            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context window "
-            f"of {served.max_context_length} tokens",
+            f"This model's maximum context length is {served.max_context_length} tokens; the prompt "
+            f"({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) exceeds it",
             "max_tokens",
         )
     return max_tokens

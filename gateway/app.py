@@ -17,10 +17,9 @@ from jinja2 import TemplateError
 from gateway.api import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
     check_model,
     plan_for,
+    template_variables,
 )
 from gateway.clients import (
     Backends,
@@ -33,9 +32,9 @@ from gateway.clients import (
 from gateway.config import GatewayConfig
 from gateway.errors import bad_request
 from gateway.guard import Guard, add_error_handlers
-from gateway.responses import respond
+from gateway.responses import MAX_PROMPTS, chat_complete, complete
 from gateway.rounds import GenerationPlan
-from specserve import __version__
+from gateway.vllm_routes import add_vllm_routes
 from specserve.serving.metrics import GatewayMetrics
 from specserve.v1 import draft_pb2_grpc, verify_pb2_grpc
 from specserve.v1.common_pb2 import ModelInfo, ModelInfoRequest
@@ -48,9 +47,8 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
-UNTRACED_PATHS = ("/health", "/metrics")
+UNTRACED_PATHS = ("/health", "/ping", "/metrics")
 TOKENIZER_THREADS = 2
-MAX_PROMPTS = 16  # a completion's batch of prompts, and its choices (prompts times n) in all
 
 
 @dataclass
@@ -96,20 +94,24 @@ class Gateway:
         texts = [p if isinstance(p, str) else None for p in prompts]
         return [list(tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts], texts
 
-    def chat_prompt(self, request: ChatCompletionRequest, tokenizer) -> list[int]:
+    def chat_prompt(self, request, tokenizer, add_special_tokens: bool = False, tools=None) -> list[int]:
+        """The messages rendered by the model's chat template, as token ids (request: a chat
+        completion's or /tokenize's)."""
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
         try:
             text = tokenizer.apply_chat_template(
                 messages,
                 tokenize=False,
-                add_generation_prompt=True,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
                 chat_template=template,
-                **request.template_variables(),
+                tools=tools,
+                **template_variables(request.chat_template_kwargs),
             )
         except (TemplateError, ValueError, TypeError, KeyError, IndexError) as error:
             raise bad_request(f"the model's chat template refused these messages: {error}", "messages") from None
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     async def off_loop(self, work, request):
         """work(request, tokenizer) in the tokenizer threads, each with a tokenizer of its own
@@ -154,7 +156,7 @@ def create_app(config: GatewayConfig, tokenizer, fingerprint: str, on_fatal=None
     app.add_middleware(Guard, gateway=gateway)
 
     _add_routes(app, gateway)
-    _add_vllm_routes(app, gateway)
+    add_vllm_routes(app, gateway)
     return app
 
 
@@ -235,10 +237,23 @@ async def _watch_draft_service(gateway: Gateway, target: ModelInfo) -> None:
         await asyncio.sleep(1.0)
 
 
+def model_card(served: ServedModel) -> dict:
+    return {
+        "id": served.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "specserve",
+        "root": served.name,
+        "parent": None,
+        "max_model_len": served.max_context_length,
+    }
+
+
 def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     """Health, metrics, the model list and the two completion endpoints."""
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (and SageMaker's) name for it
     async def health():
         """Ready (200) while a verifier replica serves; the body says which parts are up
         ("starting" until the gateway has its model)."""
@@ -254,64 +269,17 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/v1/models")
     async def models():
-        served = gateway.served
-        card = {
-            "id": served.name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "specserve",
-            "root": served.name,
-            "parent": None,
-            "max_model_len": served.max_context_length,
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card(gateway.served)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        check_model(model, gateway.served)
+        return model_card(gateway.served)
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, http: Request):
-        check_model(request.model, gateway.served)
-        prompts, texts = await gateway.off_loop(gateway.completion_prompts, request)
-        if len(prompts) * (request.n or 1) > MAX_PROMPTS:  # each choice holds a verifier session
-            raise bad_request(f"prompts times n is at most {MAX_PROMPTS} per request", "n")
-        plans = [gateway.plan(request, prompt, http.scope["state"].get("tenant", "")) for prompt in prompts]
-        return await respond(gateway, request, plans, chat=False, http=http, texts=texts)
+        return await complete(gateway, request, http)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, http: Request):
-        check_model(request.model, gateway.served)
-        prompt = await gateway.off_loop(gateway.chat_prompt, request)
-        plan = gateway.plan(request, prompt, http.scope["state"].get("tenant", ""))
-        return await respond(gateway, request, [plan], chat=True, http=http)
-
-
-def _add_vllm_routes(app: FastAPI, gateway: Gateway) -> None:
-    """vLLM's server's own: its version, and tokenizing as the completions do."""
-
-    @app.get("/version")
-    async def version():
-        return {"version": __version__}
-
-    @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest):
-        """vLLM's: a prompt's (or chat messages') token ids, as the completions would take them."""
-        check_model(request.model, gateway.served)
-        if request.messages is not None:
-            chat = ChatCompletionRequest(messages=request.messages)
-            tokens = await gateway.off_loop(gateway.chat_prompt, chat)
-        else:
-            text = request.prompt or ""
-            tokens = await gateway.off_loop(
-                lambda _, t: list(t(text, add_special_tokens=request.add_special_tokens)["input_ids"]), None
-            )
-        return {
-            "count": len(tokens),
-            "max_model_len": gateway.served.max_context_length,
-            "tokens": tokens,
-            "token_strs": None,
-        }
-
-    @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest):
-        check_model(request.model, gateway.served)
-        if any(not 0 <= t < gateway.served.vocab_size for t in request.tokens):
-            raise bad_request(f"token ids must lie in [0, {gateway.served.vocab_size})", "tokens")
-        return {"prompt": await gateway.off_loop(lambda _, t: t.decode(request.tokens), None)}
+        return await chat_complete(gateway, request, http)

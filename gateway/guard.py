@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.app")
 access = logging.getLogger("gateway.access")
 
-OPEN_PATHS = ("/health", "/metrics")  # no API key: probes and Prometheus's scrapes
-TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # bodies bounded, as the API's
+OPEN_PATHS = ("/health", "/ping", "/metrics")  # no API key: probes and Prometheus's scrapes
+BOUNDED_PATHS = ("/tokenize", "/detokenize", "/invocations")  # bodies bounded, as the API's
 
 GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -86,7 +86,7 @@ class Guard:
         if self.gateway.served is None and scope["path"] not in OPEN_PATHS:
             error = ApiError(503, "the gateway is starting: its verify service has not answered yet", code="starting")
             return await error_response(error, {"Retry-After": "2"})(scope, receive, send)
-        if not (scope["method"] == "POST" and (scope["path"].startswith("/v1/") or scope["path"] in TOKENIZER_PATHS)):
+        if not (scope["method"] == "POST" and (scope["path"].startswith("/v1/") or scope["path"] in BOUNDED_PATHS)):
             return await self.app(scope, receive, send)
         limit = self.gateway.config.max_body_bytes
         too_large = ApiError(413, f"request bodies are limited to {limit} bytes", code="too_large")
@@ -172,7 +172,8 @@ def add_error_handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, error: RequestValidationError):
         first = error.errors()[0] if error.errors() else {}
         location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
+        kind = f" [type={first['type']}]" if first.get("type") else ""  # pydantic's, as vLLM answers it
+        message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}{kind}"
         return error_response(bad_request(message, ".".join(location) or None))
 
     @app.exception_handler(NoReplica)

@@ -20,16 +20,22 @@ class Logprobs:
 class LogprobFormat:
     """One request's logprobs formatting: top is the likeliest tokens shown per position."""
 
-    def __init__(self, tokenizer, chat: bool, top: int):
+    def __init__(self, tokenizer, chat: bool, top: int, as_ids: bool = False):
+        """as_ids: vLLM's return_tokens_as_token_ids, each token named "token_id:N"."""
         self.tokenizer = tokenizer
         self.chat = chat
         self.top = top
+        self.as_ids = as_ids
         self._text: dict[int, str] = {}
 
     def text(self, token: int) -> str:
         if token not in self._text:
-            self._text[token] = self.tokenizer.decode([token])
+            self._text[token] = f"token_id:{token}" if self.as_ids else self.tokenizer.decode([token])
         return self._text[token]
+
+    def decoded(self, token: int) -> str:
+        """The token's text (prompt_logprobs' decoded_token), whatever the naming."""
+        return self.tokenizer.decode([token])
 
     def completion(self, token_ids: list[int], records: list, offset: int) -> dict:
         """A completions `logprobs` object for token_ids (records: theirs, None for a token
@@ -44,13 +50,14 @@ class LogprobFormat:
             if record is None:
                 top.append(None)
                 continue
-            shown = {self.text(i): v for i, v in zip(record.top_token_ids[: self.top], record.top_logprobs)}
-            shown[self.text(token)] = record.logprob  # the chosen token is always there (vLLM), its own value
+            shown = {self.text(token): record.logprob}  # the chosen token first, always there (vLLM's)
+            for i, v in zip(record.top_token_ids[: self.top], record.top_logprobs):
+                shown.setdefault(self.text(i), v)
             top.append(shown)
         return {
             "tokens": tokens,
             "token_logprobs": [None if r is None else r.logprob for r in records],
-            "top_logprobs": top if self.top else None,
+            "top_logprobs": top,  # with logprobs 0, each the chosen token's alone (vLLM's)
             "text_offset": offsets,
         }
 
@@ -74,10 +81,10 @@ class LogprobFormat:
         out: list = [None] if prompt_ids else []
         for token, record in zip(prompt_ids[1:], records):
             entry = {
-                str(i): _vllm(self.text(i), v, rank)
+                str(i): _vllm(self.decoded(i), v, rank)
                 for rank, (i, v) in enumerate(zip(record.top_token_ids[:top], record.top_logprobs), start=1)
             }
-            entry[str(token)] = _vllm(self.text(token), record.logprob, record.rank)
+            entry[str(token)] = _vllm(self.decoded(token), record.logprob, record.rank)
             out.append(entry)
         return out
 
@@ -97,10 +104,13 @@ class ChoiceOutputs:
         self.asked = plan.sampling.logprobs
         self.prompt_ids = list(plan.prompt_token_ids)
         self.logprobs = Logprobs() if self.asked or plan.prompt_logprobs is not None else None
-        self.format = LogprobFormat(tokenizer, chat, plan.sampling.top_logprobs)
-        self.echo = not chat and bool(getattr(request, "echo", False))
+        self.format = LogprobFormat(tokenizer, chat, plan.sampling.top_logprobs, request.return_tokens_as_token_ids)
+        self.echo = bool(getattr(request, "echo", False))
         whole = prompt_text is not None and request.truncate_prompt_tokens is None
-        self.echo_text = prompt_text if whole else tokenizer.decode(self.prompt_ids) if self.echo else ""
+        if chat:  # vLLM's: the last message's content, where it has the reply's role
+            self.echo_text = request.echoed()
+        else:
+            self.echo_text = prompt_text if whole else tokenizer.decode(self.prompt_ids) if self.echo else ""
         self.vllm_prompt = request.prompt_logprobs
         self.prompt_token_ids = request.return_token_ids
         self.sent = 0  # tokens whose logprobs went out
@@ -126,7 +136,9 @@ class ChoiceOutputs:
         if self.chat:
             out["logprobs"] = {"content": self.format.chat_content(ids, records)}
             return out
-        if first and self.echo and self.prompt_ids:  # the prompt's tokens first, its first without a logprob
+        if (
+            first and self.echo and self.prompt_ids and not self.chat
+        ):  # the prompt's tokens first, its first without a logprob
             ids, records = self.prompt_ids + ids, [None, *self.logprobs.prompt, *records]
         out["logprobs"] = self.format.completion(ids, records, self.offset)
         self.offset += sum(len(token) for token in out["logprobs"]["tokens"])

@@ -3,6 +3,7 @@ attributes (https://opentelemetry.io/docs/specs/semconv/gen-ai/) and parents eve
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from opentelemetry import trace
@@ -14,8 +15,14 @@ from specserve.serving.telemetry import start_span
 
 
 class RequestObserver:
-    def __init__(self, metrics: GatewayMetrics, chat: bool, model: str, plan: GenerationPlan, request_id: str = ""):
+    """One choice's observer. n: its request's n for the first choice, 0 for the others
+    (vllm:request_params_n counts a request once, its other histograms each choice)."""
+
+    def __init__(
+        self, metrics: GatewayMetrics, chat: bool, model: str, plan: GenerationPlan, request_id: str = "", n: int = 1
+    ):
         self.metrics = metrics
+        self.n, self.prompt_length, self.max_tokens = n, len(plan.prompt_token_ids), plan.max_tokens
         self.started = time.perf_counter()
         self.last_token_at: float | None = None
         operation = "chat" if chat else "text_completion"
@@ -67,9 +74,7 @@ class RequestObserver:
         self.finished = True
         self.metrics.requests_running.dec()
         self._done_waiting()
-        self.metrics.generation_tokens.inc(output_tokens)
-        self.metrics.request_success.labels(finished_reason=finish_reason or "abort").inc()
-        self.metrics.e2e.observe(time.perf_counter() - self.started)
+        self._observe_finished(output_tokens, finish_reason or _unfinished(error))
         self.metrics.requests.labels(finish_reason=finish_reason or "error").inc()
         self.span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
         self.span.set_attribute("gen_ai.response.finish_reasons", [finish_reason or "error"])
@@ -77,3 +82,21 @@ class RequestObserver:
             self.span.record_exception(error)
             self.span.set_status(Status(StatusCode.ERROR, str(error)))
         self.span.end()
+
+    def _observe_finished(self, output_tokens: int, finished_reason: str) -> None:
+        metrics = self.metrics
+        metrics.generation_tokens.inc(output_tokens)
+        metrics.request_success.labels(finished_reason=finished_reason).inc()
+        metrics.e2e.observe(time.perf_counter() - self.started)
+        metrics.request_prompt_tokens.observe(self.prompt_length)
+        metrics.request_generation_tokens.observe(output_tokens)
+        if self.max_tokens:  # as vLLM, which leaves out a request without one
+            metrics.request_params_max_tokens.observe(self.max_tokens)
+        if self.n:
+            metrics.request_params_n.observe(self.n)
+
+
+def _unfinished(error: BaseException | None) -> str:
+    """vLLM's finished_reason of a request with no finish reason: "abort" where its client left
+    (its generation cancelled), "error" where it failed."""
+    return "error" if error is not None and not isinstance(error, (asyncio.CancelledError, GeneratorExit)) else "abort"

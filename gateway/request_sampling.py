@@ -46,7 +46,9 @@ def sampling_for(request, vocab_size: int, bad_words: tuple[tuple[int, ...], ...
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     top_k = 0 if request.top_k in (None, -1) else request.top_k
-    seed = secrets.randbits(63) if request.seed is None else request.seed
+    seed = (
+        secrets.randbits(63) if request.seed is None else request.seed % 2**64
+    )  # a negative one: its two's complement
     problem = sampling_problem(temperature, top_p, top_k, seed)
     if problem is not None:
         raise bad_request(*problem)
@@ -63,15 +65,23 @@ def sampling_for(request, vocab_size: int, bad_words: tuple[tuple[int, ...], ...
 def processing_for(request, vocab_size: int) -> LogitProcessing:
     """The request's penalties, biases and masks (specserve/logit_processing.py); a 400 naming
     the field for a value out of range or a token id outside the vocabulary."""
-    bias = {}
-    for key, value in (request.logit_bias or {}).items():
-        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
-            raise bad_request(f"logit_bias keys are token ids in [0, {vocab_size}), got {key!r}", "logit_bias")
-        bias[int(key)] = max(-MAX_BIAS, min(MAX_BIAS, value))  # OpenAI clamps to [-100, 100]
+    given = request.logit_bias or {}
+    bad = [key for key in given if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size]
+    if bad:
+        raise bad_request(
+            f"logit_bias keys are token ids in [0, {vocab_size}) (the vocabulary size is {vocab_size}); "
+            f"not: {', '.join(repr(key) for key in bad)}",
+            "logit_bias",
+        )
+    bias = {int(key): max(-MAX_BIAS, min(MAX_BIAS, value)) for key, value in given.items()}  # OpenAI clamps
     for name in ("stop_token_ids", "allowed_token_ids"):
-        ids = getattr(request, name) or []
-        if any(not 0 <= t < vocab_size for t in ids):
-            raise bad_request(f"{name} are token ids in [0, {vocab_size})", name)
+        outside = [t for t in getattr(request, name) or [] if not 0 <= t < vocab_size]
+        if outside:
+            raise bad_request(
+                f"{name} are token ids in [0, {vocab_size}) (the vocabulary size is {vocab_size}); "
+                f"out of vocabulary: {', '.join(map(str, outside))}",
+                name,
+            )
     values = {
         "presence_penalty": 0.0 if request.presence_penalty is None else request.presence_penalty,
         "frequency_penalty": 0.0 if request.frequency_penalty is None else request.frequency_penalty,

@@ -18,7 +18,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from gateway.accounting import SpeculationStats
-from gateway.errors import ApiError
+from gateway.api import check_model
+from gateway.errors import ApiError, bad_request
 from gateway.generation import generate
 from gateway.guard import GRPC_TO_HTTP
 from gateway.logprobs import ChoiceOutputs
@@ -32,33 +33,46 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.app")
 
+MAX_PROMPTS = 16  # a completion's batch of prompts, and its choices (prompts times n) in all
+
 
 class _Response:
     """Builds OpenAI response objects for one request (completion or chat)."""
 
-    def __init__(self, chat: bool, model: str, return_token_ids: bool, n: int = 1):
+    def __init__(self, chat: bool, model: str, request):
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
-        self.return_token_ids = return_token_ids
-        self.n = n  # choices per prompt
+        self.return_token_ids = request.return_token_ids
+        self.n = request.n or 1  # choices per prompt
+        self.role = request.response_role() if chat else ""
+        self.speculation_usage = request.speculation_usage()
+        self.continuous_usage = request.stream and request.continuous_usage()
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
+        body = {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices,
+                "system_fingerprint": None}  # fmt: skip
+        if self.chat:  # vLLM's chat answers carry the prompt's ids and logprobs beside the choices
+            body["service_tier"] = None
+            for choice in choices:
+                for key in ("prompt_token_ids", "prompt_logprobs"):
+                    if key in choice:
+                        body[key] = choice.pop(key)
+        return body
 
-    def chunk(
-        self, index: int, text: str, token_ids: list[int], finish_reason: str | None, first: bool, extra: dict
-    ) -> dict:
-        """A stream's chunk of choice index; extra: its logprobs (and prompt_logprobs,
-        prompt_token_ids), where asked."""
+    def chunk(self, index: int, delta, first: bool, extra: dict, stop_reason) -> dict:
+        """A stream's chunk of choice index (delta: its TextDelta, the text echo's too);
+        extra: its logprobs (and prompt_logprobs, prompt_token_ids), where asked."""
+        text, finish_reason = delta.text, delta.finish_reason
         if self.chat:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            message = {"role": self.role, "content": text} if first else {"content": text}
+            choice = {"index": index, "delta": message, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice["stop_reason"] = stop_reason if finish_reason else None
         if self.return_token_ids:
-            choice["token_ids"] = token_ids
+            choice["token_ids"] = delta.token_ids
         choice.update(extra)
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
@@ -67,14 +81,17 @@ class _Response:
         body["usage"] = usage
         return body
 
-    def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None, extra: dict) -> dict:
+    def choice(self, index: int, text: str, assembler, extra: dict) -> dict:
+        finish_reason = assembler.finish_reason
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            message = {"role": self.role, "content": text, "refusal": None, "annotations": None, "audio": None,
+                       "function_call": None, "tool_calls": []}  # fmt: skip
             choice = {"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice["stop_reason"] = assembler.stop_reason
         if self.return_token_ids:
-            choice["token_ids"] = token_ids
+            choice["token_ids"] = assembler.token_ids
         choice.update(extra)
         return choice
 
@@ -90,12 +107,9 @@ def _usage(runs: list[_Run]) -> dict:
     completion = sum(len(run.assembler.token_ids) for run in runs)
     prompt = sum(len(run.plan.prompt_token_ids) for run in runs if run.index % run.response.n == 0)
     stats = runs[0].stats
-    usage = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "speculation": stats.as_dict(),
-    }
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if runs[0].response.speculation_usage:
+        usage["speculation"] = stats.as_dict()
     if runs[0].timings:
         usage["timings"] = stats.timings.as_dict()
     return usage
@@ -123,7 +137,7 @@ class _Run:
     def choice(self, text: str) -> dict:
         extra = self.outputs.extra(self.assembler.token_ids, first=True)
         text = self.outputs.echoed(text)
-        return self.response.choice(self.index, text, self.assembler.token_ids, self.assembler.finish_reason, extra)
+        return self.response.choice(self.index, text, self.assembler, extra)
 
     async def close(self, error: BaseException | None = None) -> None:
         await self.rounds.aclose()
@@ -148,7 +162,7 @@ async def respond(
     each prompt's text, for echo."""
     stats = SpeculationStats()
     request_id = http.scope["state"].get("request_id", "") if http is not None else ""
-    response = _Response(chat, gateway.served.name, request.return_token_ids, request.n or 1)
+    response = _Response(chat, gateway.served.name, request)
     runs, n = [], response.n
     for number, plan in enumerate(plans):
         # A prompt's sampled choices share its prefill: the first prefills, the others copy its
@@ -157,7 +171,9 @@ async def respond(
         shared = asyncio.get_running_loop().create_future() if copies else None
         for j in range(n):
             choice = choice_plan(plan, j)
-            observer = RequestObserver(gateway.metrics, chat, gateway.served.name, choice, request_id)
+            observer = RequestObserver(
+                gateway.metrics, chat, gateway.served.name, choice, request_id, n if j == 0 else 0
+            )
             outputs = ChoiceOutputs(gateway.tokenizer, request, choice, chat, texts[number] if texts else None)
             rounds = generate(
                 gateway.clients, choice, stats, observer.context, gateway.metrics, gateway.crowded, outputs.logprobs,
@@ -167,7 +183,8 @@ async def respond(
             stops = ends | frozenset(plan.sampling.processing.stop_token_ids)
             include = bool(request.include_stop_str_in_output)
             assembler = TextAssembler(gateway.tokenizer, stops, request.stop_strings(), plan.max_tokens, include,
-                                      plan.sampling.processing.min_tokens)  # fmt: skip
+                                      plan.sampling.processing.min_tokens, request.skip_special_tokens,
+                                      frozenset(plan.sampling.processing.stop_token_ids))  # fmt: skip
             if plan.max_tokens == 0:
                 assembler.finish_reason = "length"  # the prompt's logprobs only
             index = number * n + j
@@ -233,6 +250,11 @@ async def _whole(run: _Run) -> str:
     return text
 
 
+def _choice_usage(run: _Run) -> dict:
+    prompt, made = len(run.plan.prompt_token_ids), len(run.assembler.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
+
+
 async def _disconnected(http: Request) -> None:
     """Returns once the client has gone away."""
     while (await http.receive())["type"] != "http.disconnect":
@@ -240,27 +262,36 @@ async def _disconnected(http: Request) -> None:
 
 
 async def _chunks(run: _Run, first: list[int], out: asyncio.Queue) -> None:
-    """One choice's chunks into out, then None; its failure in their place."""
+    """One choice's chunks into out, a token each (as a server without speculation sends
+    them: clients count chunks as tokens), then None; its failure in their place."""
     tokens, is_first = first, True
     try:
-        while True:
-            delta = run.add(tokens)
-            if delta.text or delta.finish_reason or is_first or (run.response.return_token_ids and delta.token_ids):
-                extra = run.outputs.extra(run.assembler.token_ids, first=is_first)
-                text = run.outputs.echoed(delta.text) if is_first else delta.text
-                await out.put(
-                    run.response.chunk(run.index, text, delta.token_ids, delta.finish_reason, is_first, extra)
-                )
-            is_first = False
-            if run.assembler.finished:
-                break
-            try:
-                tokens = await run.rounds.__anext__()
-            except StopAsyncIteration:
-                break
+        while not run.assembler.finished:
+            for piece in [[token] for token in tokens] or [[]]:  # [[]]: a round of none (max_tokens 0)
+                delta = run.add(piece)
+                if delta.text or delta.finish_reason or is_first or (run.response.return_token_ids and delta.token_ids):
+                    await out.put(_chunk(run, delta, is_first))
+                is_first = False
+                if run.assembler.finished:
+                    break
+            else:
+                try:
+                    tokens = await run.rounds.__anext__()
+                except StopAsyncIteration:
+                    break
         await out.put(None)
     except Exception as failure:  # noqa: BLE001 - the stream ends in an error event
         await out.put(failure)
+
+
+def _chunk(run: _Run, delta, first: bool) -> dict:
+    extra = run.outputs.extra(run.assembler.token_ids, first=first)
+    if first:
+        delta.text = run.outputs.echoed(delta.text)
+    chunk = run.response.chunk(run.index, delta, first, extra, run.assembler.stop_reason)
+    if run.response.continuous_usage:  # vLLM's: the choice's counts so far
+        chunk["usage"] = _choice_usage(run)
+    return chunk
 
 
 async def _stream(runs: list[_Run], firsts: list[list[int]], include_usage: bool) -> AsyncIterator[str]:
@@ -303,3 +334,21 @@ async def _stream(runs: list[_Run], firsts: list[list[int]], include_usage: bool
 
 def _sse(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+async def complete(gateway: Gateway, request, http: Request):
+    """A completion request's answer: each of its prompts' n choices."""
+    check_model(request.model, gateway.served)
+    prompts, texts = await gateway.off_loop(gateway.completion_prompts, request)
+    if len(prompts) * (request.n or 1) > MAX_PROMPTS:  # each choice holds a verifier session
+        raise bad_request(f"prompts times n is at most {MAX_PROMPTS} per request", "n")
+    plans = [gateway.plan(request, prompt, http.scope["state"].get("tenant", "")) for prompt in prompts]
+    return await respond(gateway, request, plans, chat=False, http=http, texts=texts)
+
+
+async def chat_complete(gateway: Gateway, request, http: Request):
+    """A chat completion request's answer."""
+    check_model(request.model, gateway.served)
+    prompt = await gateway.off_loop(gateway.chat_prompt, request)
+    plan = gateway.plan(request, prompt, http.scope["state"].get("tenant", ""))
+    return await respond(gateway, request, [plan], chat=True, http=http)

@@ -26,9 +26,12 @@ class TextAssembler:
     max_tokens: int
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string ends the text
     min_tokens: int = 0  # stop strings count only once the completion has this many tokens (vLLM's)
+    skip_special_tokens: bool = True  # vLLM's: special tokens' text is left out of the completion's
+    stop_token_ids: frozenset[int] = frozenset()  # the request's own (of eos_token_ids): their id is the stop_reason
     token_ids: list[int] = field(default_factory=list)
     emitted_text: str = ""
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     text: str = ""  # all decoded so far (what is shown, and what is held back)
     _stop_horizon: int = 0  # text decoded before min_tokens, where no stop string may start
     _prefix: int = 0  # the window: tokens [_prefix, _read) are decoded into text already, as
@@ -45,6 +48,7 @@ class TextAssembler:
             stop_at = self._find_stop(text)
         if stop_at is not None:
             text, self.finish_reason = text[: stop_at[0] + (len(stop_at[1]) if self.include_stop else 0)], "stop"
+            self.stop_reason = stop_at[1]
         if self.finish_reason is None:
             text = self._safe_prefix(text)
         delta = text[len(self.emitted_text) :] if text.startswith(self.emitted_text) else ""
@@ -55,8 +59,8 @@ class TextAssembler:
         """The text of the tokens after the window, decoded with the window's tokens before
         them; nothing while it ends in half a character (unless the completion is over)."""
         decode = self.tokenizer.decode
-        known = decode(self.token_ids[self._prefix : self._read], skip_special_tokens=True)
-        whole = decode(self.token_ids[self._prefix :], skip_special_tokens=True)
+        known = decode(self.token_ids[self._prefix : self._read], skip_special_tokens=self.skip_special_tokens)
+        whole = decode(self.token_ids[self._prefix :], skip_special_tokens=self.skip_special_tokens)
         if whole.endswith(REPLACEMENT_CHAR) and not self.finished:
             return ""
         self._prefix, self._read = self._read, len(self.token_ids)
@@ -64,7 +68,7 @@ class TextAssembler:
             return whole[len(known) :]
         # The new tokens changed the text before them (a tokenizer's clean-up of spaces):
         # what the whole completion decodes to, past what is decoded already, this once.
-        everything = decode(self.token_ids, skip_special_tokens=True)
+        everything = decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
         return everything[len(self.text) :] if everything.startswith(self.text) else ""
 
     @property
@@ -80,6 +84,7 @@ class TextAssembler:
             self.token_ids.append(token)
             if token in self.eos_token_ids:
                 self.finish_reason = "stop"
+                self.stop_reason = token if token in self.stop_token_ids else None
             elif len(self.token_ids) >= self.max_tokens:
                 self.finish_reason = "length"
         return taken

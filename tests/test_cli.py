@@ -108,7 +108,9 @@ def test_up_passes_the_request_defaults_on_and_the_gateway_answers_while_it_star
             with client.stream("POST", f"{stack.url}/v1/completions", json=body) as reply:
                 next(reply.iter_lines())
                 assert metric(verify_metrics, "specserve:drafter_kv_slots_in_use") == 0
-        plain = httpx.post(f"{stack.url}/v1/completions", json={**body, "stream": False, "max_tokens": 60}).json()
+        plain = httpx.post(
+            f"{stack.url}/v1/completions", json={**body, "stream": False, "max_tokens": 60, "return_timings": True}
+        ).json()
         assert plain["usage"]["speculation"]["num_drafts"] > 0
     finally:
         stop_process(stack.process)

@@ -264,7 +264,8 @@ def test_openai_client_streams_completion_and_chat(stack):
     model = client.models.list().data[0].id
     full = client.completions.create(model=model, prompt="def add(a, b):", max_tokens=24, temperature=0)
     chunks = list(client.completions.create(model=model, prompt="def add(a, b):", max_tokens=24, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))  # fmt: skip
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"return_timings": True}))  # fmt: skip
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.model_extra["speculation"]["num_drafts"] >= 1
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"

@@ -127,7 +127,7 @@ def test_health_answers_within_a_second_while_a_4_mib_prompt_is_tokenized(keyed)
     finally:
         done.set()
         prober.join()
-    assert reply.status_code == 400 and "context window" in reply.json()["error"]["message"]
+    assert reply.status_code == 400 and "maximum context length" in reply.json()["error"]["message"]
     assert len(latencies) >= 5 and max(latencies) < 1.0, latencies
 
 

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.observe import RequestObserver
+from gateway.rounds import GenerationPlan
+from specserve.sampling import SamplingParams
+from specserve.serving.metrics import VLLM_NAMES, GatewayMetrics
 from specserve.tools.trace_report import DRAFT_CLIENT, ROUND, SpanCollector, duration_ms, report
 from tests.conftest import free_port, start_stack, stop_process
 
@@ -142,7 +148,7 @@ def test_metrics_agree_with_the_usage_served(traced):
     before = httpx.get(f"{stack.url}/metrics").text
     totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
     for seed in range(3):
-        body = {"prompt": [9, seed], "max_tokens": 10, "temperature": 0.8, "seed": seed}
+        body = {"prompt": [9, seed], "max_tokens": 10, "temperature": 0.8, "seed": seed, "return_timings": True}
         usage = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()["usage"]["speculation"]
         for key in totals:
             totals[key] += usage[key]
@@ -165,6 +171,104 @@ def test_metrics_agree_with_the_usage_served(traced):
     assert "specserve:verifier_batch_size_bucket" in verifier and "specserve:verifier_kv_slots_in_use" in verifier
     assert 0 <= counter(verifier, "specserve:verifier_kv_cache_usage_perc") <= 1
     assert "specserve:drafter_batch_size_bucket" in httpx.get(f"http://127.0.0.1:{draft_metrics}/metrics").text
+
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of an exposition, by name and labels, read as vLLM's own test reads it."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def delta(before: dict, after: dict, name: str, **labels: str) -> float:
+    """A sample's growth between two scrapes, its labels given but for model_name."""
+    [key] = [k for k in after if k[0] == name and {n: v for n, v in k[1] if n != "model_name"} == labels]
+    return after[key] - before.get(key, 0.0)
+
+
+def family(scrape: dict, name: str) -> dict[tuple[str, frozenset], float]:
+    """A family's samples in a scrape, by suffix (_total, _bucket, ...) and labels."""
+    suffixes = ("", "_total", "_created", "_bucket", "_count", "_sum")
+    return {(n[len(name) :], labels): v for (n, labels), v in scrape.items() if n in {name + s for s in suffixes}}
+
+
+def test_the_gateway_shows_vllms_names_with_the_values_of_specserves(traced):
+    """A scraper written for vLLM (its tests/entrypoints/openai/test_metrics.py) finds its
+    names on the gateway's /metrics: the specserve: samples again, each labelled model_name."""
+    stack, _, _, _ = traced
+    before = samples(httpx.get(f"{stack.url}/metrics").text)
+    usages, requests, max_tokens = [], 3, 10
+    for seed in range(requests):
+        body = {"prompt": [11, seed, 3], "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
+                "speculation": {"num_speculative_tokens": 3}}  # fmt: skip
+        usages.append(httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()["usage"])
+    text = httpx.get(f"{stack.url}/metrics").text
+    after = samples(text)
+    vllm = {key: value for key, value in after.items() if key[0].startswith("vllm:")}
+    assert vllm and all(dict(labels)["model_name"] == "target" for _, labels in vllm)
+    for specserve_name, names in VLLM_NAMES.items():  # the same samples under each name
+        for name in names:
+            assert family(after, name) == family(after, specserve_name) != {}, name
+    prompt = sum(u["prompt_tokens"] for u in usages)
+    generated = sum(u["completion_tokens"] for u in usages)
+    assert delta(before, after, "vllm:prompt_tokens_total") == prompt == requests * 3
+    assert delta(before, after, "vllm:generation_tokens_total") == generated == requests * max_tokens
+    assert delta(before, after, "vllm:request_success_total", finished_reason="length") == requests
+    for name, total in (("request_prompt_tokens", prompt), ("request_generation_tokens", generated),
+                        ("request_params_max_tokens", requests * max_tokens), ("request_params_n", requests)):  # fmt: skip
+        assert delta(before, after, f"vllm:{name}_count") == requests, name
+        assert delta(before, after, f"vllm:{name}_sum") == total, name
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert delta(before, after, f"vllm:{name}_count") == requests, name
+    for name in ("inter_token_latency_seconds", "time_per_output_token_seconds"):  # every token after the first
+        assert delta(before, after, f"vllm:{name}_count") == generated - requests, name
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        name = f"vllm:spec_decode_{key}_total"
+        assert delta(before, after, name) == sum(u["speculation"][key] for u in usages), name
+    per_position = [k for k in after if k[0] == "vllm:spec_decode_num_accepted_tokens_per_pos_total"]
+    assert sum(after[k] - before.get(k, 0.0) for k in per_position) == sum(
+        u["speculation"]["num_accepted_tokens"] for u in usages
+    )
+    assert counter(text, "vllm:num_requests_running") == 0 and counter(text, "vllm:num_requests_waiting") == 0
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
+                 "vllm:request_params_n_bucket", "vllm:time_per_output_token_seconds_sum",
+                 "vllm:e2e_request_latency_seconds_bucket"):  # fmt: skip
+        assert name in text, name
+
+
+def _plan(prompt_length: int, max_tokens: int) -> GenerationPlan:
+    return GenerationPlan(list(range(prompt_length)), max_tokens, SamplingParams(), "draft_model", 3)
+
+
+def test_vllms_running_and_waiting_add_up_to_the_requests_in_flight():
+    """vLLM's running requests are those past their prefill: specserve's running count less
+    its waiting ones; n counts once for a request, its other histograms each choice."""
+    metrics = GatewayMetrics()
+    metrics.model_name = "m"
+
+    def gauges() -> tuple[float, float]:
+        text = metrics.exposition().decode()
+        return counter(text, "vllm:num_requests_running"), counter(text, "vllm:num_requests_waiting")
+
+    assert gauges() == (0, 0)
+    first = RequestObserver(metrics, False, "m", _plan(4, 8), n=2)
+    second = RequestObserver(metrics, False, "m", _plan(4, 8), n=0)  # the request's second choice
+    assert gauges() == (0, 2)
+    first.on_tokens(1)
+    assert gauges() == (1, 1)
+    first.finish(8, "length")
+    second.finish(0, None, asyncio.CancelledError())  # its client left
+    assert gauges() == (0, 0)
+    failed = RequestObserver(metrics, True, "m", _plan(2, 5))
+    failed.finish(0, None, RuntimeError("the verifier failed"))
+    after = samples(metrics.exposition().decode())
+    assert delta({}, after, "vllm:request_params_n_count") == 2 and delta({}, after, "vllm:request_params_n_sum") == 3
+    assert delta({}, after, "vllm:request_prompt_tokens_sum") == 10
+    assert delta({}, after, "vllm:request_params_max_tokens_sum") == 21
+    for reason in ("length", "abort", "error"):
+        assert delta({}, after, "vllm:request_success_total", finished_reason=reason) == 1, reason
 
 
 def test_a_request_whose_rounds_the_verifier_drafts_is_one_trace_round_by_round(traced_colocated):

@@ -55,7 +55,7 @@ def mtls_stack(tiny_pair, certs):
 
 
 def test_the_stack_serves_over_mutual_tls(mtls_stack):
-    body = {"prompt": [3, 4, 5], "max_tokens": 12, "temperature": 0}
+    body = {"prompt": [3, 4, 5], "max_tokens": 12, "temperature": 0, "return_timings": True}
     reply = httpx.post(f"{mtls_stack.url}/v1/completions", json=body, timeout=60)
     assert reply.status_code == 200 and reply.json()["usage"]["speculation"]["num_drafts"] >= 1
 

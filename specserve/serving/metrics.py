@@ -2,12 +2,15 @@
 (no module-level state); the gateway serves it on /metrics, each service on a metrics port.
 
 Counters are exposed with prometheus_client's `_total` suffix, e.g.
-`specserve:spec_decode_num_drafts_total`.
+`specserve:spec_decode_num_drafts_total`. The gateway's /metrics also shows its families by
+vLLM's names (VLLM_NAMES), for scrapers written for vLLM: the same samples, renamed at each
+scrape, so each event is counted once.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 LATENCY_BUCKETS = (
     0.001,
@@ -33,6 +36,30 @@ LATENCY_BUCKETS = (
     1800.0,
 )
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))  # vLLM's 1-2-5 steps, to 5M tokens
+N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, for the n parameter
+
+# vLLM's names (its v1 engine's, https://docs.vllm.ai/en/latest/design/metrics.html) for what
+# the gateway measures: each a second name of one specserve: family, the same samples and
+# labels. vllm:num_requests_running is derived (see GatewayMetrics.collect).
+VLLM_NAMES = {
+    "specserve:num_requests_waiting": ("vllm:num_requests_waiting",),
+    "specserve:prompt_tokens": ("vllm:prompt_tokens",),
+    "specserve:generation_tokens": ("vllm:generation_tokens",),
+    "specserve:request_success": ("vllm:request_success",),
+    "specserve:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    # vLLM 0.11 renamed time_per_output_token_seconds to inter_token_latency_seconds; both are scraped.
+    "specserve:inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    "specserve:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "specserve:request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "specserve:request_generation_tokens": ("vllm:request_generation_tokens",),
+    "specserve:request_params_n": ("vllm:request_params_n",),
+    "specserve:request_params_max_tokens": ("vllm:request_params_max_tokens",),
+    "specserve:spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "specserve:spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "specserve:spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "specserve:spec_decode_num_accepted_tokens_per_pos": ("vllm:spec_decode_num_accepted_tokens_per_pos",),
+}
 
 
 class GatewayMetrics:
@@ -93,7 +120,36 @@ class GatewayMetrics:
         )
         self.prompt_tokens = Counter("specserve:prompt_tokens", "Prompt tokens of the requests served.", registry=r)
         self.generation_tokens = Counter("specserve:generation_tokens", "Tokens generated.", registry=r)
+        self._per_request(r)
         self.model_name = ""  # every sample's model_name label, once the served model is known
+
+    def _per_request(self, r: CollectorRegistry) -> None:
+        """vLLM's histograms of each finished request: each choice of an n > 1 request counts as one,
+        but for request_params_n, observed once for all n."""
+        self.request_prompt_tokens = Histogram(
+            "specserve:request_prompt_tokens",
+            "Prompt tokens of each finished request.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            "specserve:request_generation_tokens",
+            "Tokens each finished request generated.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_params_n = Histogram(
+            "specserve:request_params_n",
+            "The n parameter of each finished request (once for its n choices).",
+            buckets=N_BUCKETS,
+            registry=r,
+        )
+        self.request_params_max_tokens = Histogram(
+            "specserve:request_params_max_tokens",
+            "The max_tokens parameter of each finished request.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
 
     def observe_round(self, k: int, num_accepted: int, draft_s: float, verify_s: float, wire_s: float) -> None:
         if k > 0:
@@ -107,20 +163,39 @@ class GatewayMetrics:
         self.round_seconds.labels(hop="wire").observe(wire_s)
 
     def exposition(self) -> bytes:
-        """The registry's samples, each labelled with model_name (vLLM's label)."""
-        return generate_latest(_Labelled(self.registry, {"model_name": self.model_name}))
-
-
-class _Labelled:
-    """A registry's metrics with labels added to every sample (a collector of a registry)."""
-
-    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]):
-        self.registry, self.labels = registry, labels
+        """The registry's samples, each labelled with model_name (vLLM's label), also by vLLM's names."""
+        return generate_latest(self)
 
     def collect(self):
+        """A collector (of generate_latest): the registry's families, every sample labelled
+        model_name; each family in VLLM_NAMES again by its vLLM names; and
+        vllm:num_requests_running, the requests past their first token (specserve's running
+        count holds the waiting ones too; vLLM's running and waiting add up to those in flight)."""
+        gauges = {}
         for family in self.registry.collect():
-            family.samples = [sample._replace(labels={**sample.labels, **self.labels}) for sample in family.samples]
+            family.samples = [s._replace(labels={**s.labels, "model_name": self.model_name}) for s in family.samples]
             yield family
+            for name in VLLM_NAMES.get(family.name, ()):
+                yield _renamed(family, name)
+            if family.type == "gauge" and family.samples:
+                gauges[family.name] = family.samples[0].value
+        running = GaugeMetricFamily(
+            "vllm:num_requests_running",
+            "Requests past their first token, still generating "
+            "(specserve:num_requests_running less specserve:num_requests_waiting).",
+            labels=["model_name"],
+        )
+        running.add_metric(
+            [self.model_name], gauges["specserve:num_requests_running"] - gauges["specserve:num_requests_waiting"]
+        )
+        yield running
+
+
+def _renamed(family: Metric, name: str) -> Metric:
+    """family's samples under another family name (its suffixes, labels and values as they are)."""
+    renamed = Metric(name, f"{family.documentation} (the samples of {family.name})", family.type)
+    renamed.samples = [s._replace(name=name + s.name[len(family.name) :]) for s in family.samples]
+    return renamed
 
 
 class ServiceMetrics:
