@@ -92,6 +92,7 @@ class _Response:
         choice["stop_reason"] = assembler.stop_reason
         if self.return_token_ids:
             choice["token_ids"] = assembler.token_ids
+        choice["prompt_logprobs"] = None  # vLLM's, always there: null unless asked
         choice.update(extra)
         return choice
 

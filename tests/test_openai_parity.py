@@ -97,8 +97,10 @@ def test_vllms_routes_invocations_ping_tokenize_and_a_model_by_name(stack):
     completion = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()
     invoked = httpx.post(f"{stack.url}/invocations", json=body, timeout=60).json()
     assert invoked.keys() == completion.keys() and invoked["choices"] == completion["choices"]
+    assert completion["choices"][0]["prompt_logprobs"] is None and completion["system_fingerprint"] is None
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
-    assert httpx.post(f"{stack.url}/invocations", json=chat, timeout=60).json()["object"] == "chat.completion"
+    chatted = httpx.post(f"{stack.url}/invocations", json=chat, timeout=60).json()
+    assert chatted["object"] == "chat.completion" and chatted["prompt_logprobs"] is None
     assert httpx.post(f"{stack.url}/invocations", json={"max_tokens": 3}, timeout=60).status_code == 400
     assert httpx.get(f"{stack.url}/ping").status_code == 200 and httpx.post(f"{stack.url}/ping").status_code == 200
     assert httpx.get(f"{stack.url}/v1/models/target").json()["id"] == "target"
