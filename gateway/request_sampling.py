@@ -5,6 +5,7 @@ value out of range."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import secrets
 
 from gateway.errors import bad_request
@@ -36,7 +37,7 @@ def logprob_settings(request) -> tuple[bool, int, int | None]:
     prompt = request.prompt_logprobs
     if prompt is not None and not 0 <= prompt <= MAX_TOP_LOGPROBS:
         raise bad_request(f"prompt_logprobs must lie in 0..{MAX_TOP_LOGPROBS}", "prompt_logprobs")
-    if getattr(request, "echo", False) and asked:
+    if not _chat(request) and getattr(request, "echo", False) and asked:  # chat's echo is text only
         prompt = max(prompt or 0, top)
     return asked, top, prompt
 
@@ -66,7 +67,7 @@ def processing_for(request, vocab_size: int) -> LogitProcessing:
     """The request's penalties, biases and masks (specserve/logit_processing.py); a 400 naming
     the field for a value out of range or a token id outside the vocabulary."""
     given = request.logit_bias or {}
-    bad = [key for key in given if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size]
+    bad = [key for key in given if not re.fullmatch(r"-?[0-9]+", key) or not 0 <= int(key) < vocab_size]
     if bad:
         raise bad_request(
             f"logit_bias keys are token ids in [0, {vocab_size}) (the vocabulary size is {vocab_size}); "

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from gateway.accounting import SpeculationStats
-from gateway.api import check_model
+from gateway.api import check_model, check_unsupported
 from gateway.errors import ApiError, bad_request
 from gateway.generation import generate
 from gateway.guard import GRPC_TO_HTTP
@@ -130,10 +130,17 @@ class _Run:
     timings: bool
     outputs: ChoiceOutputs
 
-    def add(self, tokens: list[int]):
-        delta = self.assembler.add(tokens)
-        self.observer.on_tokens(len(delta.token_ids))
-        return delta
+    def add_round(self, tokens: list[int]) -> list:
+        """A round's tokens one by one, as a stream sends them, up to the one that ends the
+        choice (a plain answer takes what a stream would): their TextDeltas (one for a round
+        of none). The round is observed once: its time spreads over its tokens."""
+        deltas = []
+        for piece in [[token] for token in tokens] or [[]]:
+            deltas.append(self.assembler.add(piece))
+            if self.assembler.finished:
+                break
+        self.observer.on_tokens(sum(len(delta.token_ids) for delta in deltas))
+        return deltas
 
     def choice(self, text: str) -> dict:
         extra = self.outputs.extra(self.assembler.token_ids, first=True)
@@ -237,10 +244,9 @@ async def _whole(run: _Run) -> str:
     """All of a plain request's text; its sessions are closed however it ends."""
     error, text = None, ""
     try:
-        tokens = await run.rounds.__anext__()
-        text = run.add(tokens).text
+        text = "".join(delta.text for delta in run.add_round(await run.rounds.__anext__()))  # the prefill's too
         while not run.assembler.finished:
-            text += run.add(await run.rounds.__anext__()).text
+            text += "".join(delta.text for delta in run.add_round(await run.rounds.__anext__()))
     except StopAsyncIteration:
         pass
     except BaseException as failure:
@@ -249,11 +255,6 @@ async def _whole(run: _Run) -> str:
     finally:
         await run.close(error)
     return text
-
-
-def _choice_usage(run: _Run) -> dict:
-    prompt, made = len(run.plan.prompt_token_ids), len(run.assembler.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
 
 
 async def _disconnected(http: Request) -> None:
@@ -267,31 +268,34 @@ async def _chunks(run: _Run, first: list[int], out: asyncio.Queue) -> None:
     them: clients count chunks as tokens), then None; its failure in their place."""
     tokens, is_first = first, True
     try:
-        while not run.assembler.finished:
-            for piece in [[token] for token in tokens] or [[]]:  # [[]]: a round of none (max_tokens 0)
-                delta = run.add(piece)
+        while True:
+            upto = len(run.assembler.token_ids)
+            for delta in run.add_round(tokens):
+                upto += len(delta.token_ids)  # the choice's tokens up to this chunk's
                 if delta.text or delta.finish_reason or is_first or (run.response.return_token_ids and delta.token_ids):
-                    await out.put(_chunk(run, delta, is_first))
+                    await out.put(_chunk(run, delta, is_first, upto))
                 is_first = False
-                if run.assembler.finished:
-                    break
-            else:
-                try:
-                    tokens = await run.rounds.__anext__()
-                except StopAsyncIteration:
-                    break
+            if run.assembler.finished:
+                break
+            try:
+                tokens = await run.rounds.__anext__()
+            except StopAsyncIteration:
+                break
         await out.put(None)
     except Exception as failure:  # noqa: BLE001 - the stream ends in an error event
         await out.put(failure)
 
 
-def _chunk(run: _Run, delta, first: bool) -> dict:
-    extra = run.outputs.extra(run.assembler.token_ids, first=first)
+def _chunk(run: _Run, delta, first: bool, upto: int) -> dict:
+    """The chunk of delta, the choice's tokens up to upto (its logprobs are those since the
+    chunk before; with continuous usage, its counts so far)."""
+    extra = run.outputs.extra(run.assembler.token_ids[:upto], first=first)
     if first:
         delta.text = run.outputs.echoed(delta.text)
     chunk = run.response.chunk(run.index, delta, first, extra, run.assembler.stop_reason)
     if run.response.continuous_usage:  # vLLM's: the choice's counts so far
-        chunk["usage"] = _choice_usage(run)
+        prompt = len(run.plan.prompt_token_ids)
+        chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": upto, "total_tokens": prompt + upto}
     return chunk
 
 
@@ -350,6 +354,7 @@ async def complete(gateway: Gateway, request, http: Request):
 async def chat_complete(gateway: Gateway, request, http: Request):
     """A chat completion request's answer."""
     check_model(request.model, gateway.served)
+    check_unsupported(request)  # before the template renders the messages
     prompt = await gateway.off_loop(gateway.chat_prompt, request)
     plan = gateway.plan(request, prompt, http.scope["state"].get("tenant", ""))
     return await respond(gateway, request, [plan], chat=True, http=http)

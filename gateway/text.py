@@ -36,6 +36,7 @@ class TextAssembler:
     _stop_horizon: int = 0  # text decoded before min_tokens, where no stop string may start
     _prefix: int = 0  # the window: tokens [_prefix, _read) are decoded into text already, as
     _read: int = 0  # context for the ones after them (a token's text may depend on the one before)
+    _stopped_by_token: bool = False  # the last token is a stop token: its text is left out
 
     def add(self, new_tokens: list[int]) -> TextDelta:
         """Consumes one round's tokens; returns what may be shown now."""
@@ -58,18 +59,24 @@ class TextAssembler:
     def _decode_new(self) -> str:
         """The text of the tokens after the window, decoded with the window's tokens before
         them; nothing while it ends in half a character (unless the completion is over)."""
-        decode = self.tokenizer.decode
-        known = decode(self.token_ids[self._prefix : self._read], skip_special_tokens=self.skip_special_tokens)
-        whole = decode(self.token_ids[self._prefix :], skip_special_tokens=self.skip_special_tokens)
+        decode, ids = self.tokenizer.decode, self.shown_ids
+        known = decode(ids[self._prefix : self._read], skip_special_tokens=self.skip_special_tokens)
+        whole = decode(ids[self._prefix :], skip_special_tokens=self.skip_special_tokens)
         if whole.endswith(REPLACEMENT_CHAR) and not self.finished:
             return ""
-        self._prefix, self._read = self._read, len(self.token_ids)
+        self._prefix, self._read = self._read, len(ids)
         if whole.startswith(known):
             return whole[len(known) :]
         # The new tokens changed the text before them (a tokenizer's clean-up of spaces):
         # what the whole completion decodes to, past what is decoded already, this once.
-        everything = decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        everything = decode(ids, skip_special_tokens=self.skip_special_tokens)
         return everything[len(self.text) :] if everything.startswith(self.text) else ""
+
+    @property
+    def shown_ids(self) -> list[int]:
+        """The tokens whose text is the completion's: all but a stop token that ended it (its
+        text too with include_stop, vLLM's include_stop_str_in_output)."""
+        return self.token_ids[:-1] if self._stopped_by_token else self.token_ids
 
     @property
     def finished(self) -> bool:
@@ -85,6 +92,7 @@ class TextAssembler:
             if token in self.eos_token_ids:
                 self.finish_reason = "stop"
                 self.stop_reason = token if token in self.stop_token_ids else None
+                self._stopped_by_token = not self.include_stop
             elif len(self.token_ids) >= self.max_tokens:
                 self.finish_reason = "length"
         return taken

@@ -1,7 +1,8 @@
 """The Triton kernel of the penalties of a request's logits processing; same signature and
 results as penalties_reference.py. One program per block of entries: each loads its logit,
 penalises it and stores it back (entries name distinct (row, token) pairs: no two programs
-write one logit)."""
+write one logit). Division correctly rounded and no fused multiply-add: the reference's
+results to the bit."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _penalties_kernel(
     seen = tl.load(seen_ptr + entries, mask=live, other=0)
     at = scores_ptr + rows * vocab + tokens
     x = tl.load(at, mask=live, other=0.0)
-    x = tl.where(seen != 0, tl.where(x > 0, x / repetition, x * repetition), x)
+    x = tl.where(seen != 0, tl.where(x > 0, tl.math.div_rn(x, repetition), x * repetition), x)
     x = x - frequency * counts - presence * tl.where(counts > 0, 1.0, 0.0)
     tl.store(at, x, mask=live)
 
@@ -59,5 +60,6 @@ def apply_penalties_triton(
         _penalties_kernel[(triton.cdiv(entries, ENTRY_BLOCK),)](
             scores, rows, tokens, counts, seen, entries, scores.shape[1],
             float(presence), float(frequency), float(repetition), BLOCK=ENTRY_BLOCK,
+            enable_fp_fusion=False,  # torch's rounding: a product, then a difference
         )  # fmt: skip
     return scores

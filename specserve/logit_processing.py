@@ -64,14 +64,16 @@ class LogitProcessing:
         """logits [n, vocab] processed, row r after output + added[r] (the output: the tokens
         after the prompt); float32, on the logits' device (the penalties by the kernel of
         specserve_kernels/penalties.py). A row the masks would leave without a token
-        (allowed_token_ids against bad_words or min_tokens) keeps its logits."""
+        (allowed_token_ids against bad_words or min_tokens) keeps its logits. Ids past the
+        logits' vocabulary (a draft's output layer may be narrower than its target's, which
+        checked them) are left out."""
         raw = logits.float()
         scores = raw.clone()
         n, vocab = scores.shape
         device = scores.device
         if self.allowed_token_ids:
             mask = torch.full((vocab,), float("-inf"), device=device)
-            mask[torch.tensor(self.allowed_token_ids, device=device)] = 0.0
+            mask[torch.tensor([t for t in self.allowed_token_ids if t < vocab], device=device, dtype=torch.long)] = 0
             scores += mask
         if self.min_tokens:
             short = [r for r in range(n) if len(output) + len(added[r]) < self.min_tokens]
@@ -83,12 +85,15 @@ class LogitProcessing:
                 )
                 dead = torch.isinf(scores).all(-1)  # allowed_token_ids left only the ends: they stay
                 scores[dead] = before[dead]
-        if self.logit_bias:
-            ids, bias = zip(*self.logit_bias)
+        biased = [(t, b) for t, b in self.logit_bias if t < vocab]
+        if biased:
+            ids, bias = zip(*biased)
             scores[:, torch.tensor(ids, device=device)] += torch.tensor(bias, device=device)
         for r in range(n) if self.bad_words else ():
             before = (output + added[r])[-max(len(words) for words in self.bad_words) :]
             for words in self.bad_words:
+                if words[-1] >= vocab:
+                    continue
                 if len(words) == 1 or tuple(before[len(before) - len(words) + 1 :]) == words[:-1]:
                     scores[r, words[-1]] = float("-inf")
         dead = torch.isinf(scores).all(-1)
@@ -101,16 +106,15 @@ class LogitProcessing:
     def _entries(self, prompt: list[int], output: list[int], added: list[list[int]], vocab: int) -> tuple:
         """The penalties' entries (rows, tokens, counts, seen): per row, each token its output
         holds (with the row's added tokens), and the prompt's where repetition applies."""
-        n = len(added)
-        counts = (
-            torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab).float().expand(n, vocab).clone()
-        )
-        for r, tokens in enumerate(added):
+        n, inside = len(added), lambda tokens: [t for t in tokens if t < vocab]
+        made = torch.tensor(inside(output), dtype=torch.long)
+        counts = torch.bincount(made, minlength=vocab).float().expand(n, vocab).clone()
+        for r, tokens in enumerate(map(inside, added)):
             if tokens:
                 counts[r].index_add_(0, torch.tensor(tokens), torch.ones(len(tokens)))
         seen = counts > 0
         if prompt and self.repetition_penalty != 1:
-            seen[:, torch.tensor(prompt)] = True
+            seen[:, torch.tensor(inside(prompt), dtype=torch.long)] = True
         rows, tokens = seen.nonzero(as_tuple=True)
         return rows, tokens, counts[rows, tokens], seen[rows, tokens].to(torch.uint8)
 

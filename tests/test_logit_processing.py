@@ -39,6 +39,8 @@ def test_penalties_biases_and_masks_follow_vllms_arithmetic():
     assert nothing_left[0].tolist() == logits[0].tolist()  # no token left: the row keeps its logits
     only_ends = LogitProcessing(allowed_token_ids=(0,), min_tokens=5).apply(logits[:1], [], [], [[]], eos=(0,))
     assert only_ends[0, 0] == 2.0  # no row is left without a token to draw
+    beyond = LogitProcessing(logit_bias=((2, 1.0), (9, 5.0)), allowed_token_ids=(2, 3, 9), bad_words=((9,),))
+    assert beyond.apply(logits[:1], [], [1, 8], [[9]], eos=(0,))[0, 2] == 1.5  # ids past these logits: left out
     with pytest.raises(InvalidArgument, match="presence_penalty"):
         LogitProcessing(presence_penalty=3)
 

@@ -205,8 +205,9 @@ def test_a_prompt_is_scored_in_chunks_and_in_float32_where_the_matrices_are_16_b
 ):
     """The verifier scores a prompt chunk by chunk (never its whole [prompt, vocab] logits),
     from float32 matrices where its own are bfloat16: within 1e-4 nats of transformers'
-    float32 forward, where the bfloat16 products are further off; the cache is written again
-    as a plain prefill writes it, so the next token is the plain prefill's."""
+    float32 forward, where the bfloat16 products are further off. What follows the prompt is
+    what a plain prefill makes, to the bit: float32 scoring writes the cache again; without
+    it, the chunks are a plain prefill's (max_batched_tokens each)."""
     from specserve.model.loading import load_model
     from specserve.sampling import SamplingParams
     from verify_service import scoring
@@ -220,19 +221,19 @@ def test_a_prompt_is_scored_in_chunks_and_in_float32_where_the_matrices_are_16_b
     with torch.no_grad():
         reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), -1)
     reference = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    greedy = SamplingParams(temperature=0)
+    greedy = SamplingParams(temperature=0, logprobs=True, top_logprobs=2)
 
     def verifier(precise: bool) -> Verifier:
         loaded = load_model(str(target_dir), torch.device("cpu"), torch.float32, matmul_dtype=matmul_dtype,
                             precise_scoring=precise)  # fmt: skip
-        return Verifier(loaded, VerifyConfig(), None, None)
+        return Verifier(loaded, VerifyConfig(max_batched_tokens=16), None, None)  # prompts in chunks of 16
 
     def scored(engine: Verifier, session: str):
         outcome = engine.step([PrefillJob(session, prompt, greedy, prompt_logprobs=2)])[0]
         assert not isinstance(outcome, Exception), outcome
         return torch.tensor([r.logprob for r in outcome.prompt_logprobs]), outcome
 
-    monkeypatch.setattr(scoring, "SCORE_CHUNK_TOKENS", 16)  # three chunks
+    monkeypatch.setattr(scoring, "SCORE_CHUNK_TOKENS", 12)  # float32 scoring: four chunks
     precise = verifier(True)
     values, outcome = scored(precise, "chunked")
     assert len(outcome.prompt_logprobs) == len(prompt) - 1 and all(
@@ -240,7 +241,7 @@ def test_a_prompt_is_scored_in_chunks_and_in_float32_where_the_matrices_are_16_b
     )
     assert (values - reference).abs().max() < 1e-4
     plain = precise.step([PrefillJob("plain", prompt, greedy)])[0]
-    assert outcome.next_token_id == plain.next_token_id
+    assert (outcome.next_token_id, outcome.logprobs) == (plain.next_token_id, plain.logprobs)  # to the bit
     monkeypatch.setattr(scoring, "SCORE_CHUNK_TOKENS", 512)  # one chunk: the same values, to rounding
     assert (scored(precise, "whole")[0] - values).abs().max() < 1e-5
     if matmul_dtype == "bfloat16":  # the float32 copy is what makes the difference

@@ -69,6 +69,18 @@ def test_logprobs_0_token_ids_as_names_and_stop_reasons(stack):
                                       extra_body={"stop_token_ids": [ids[1]]})  # fmt: skip
     assert by_id.choices[0].model_extra["stop_reason"] == ids[1] and by_id.choices[0].finish_reason == "stop"
     assert zero.choices[0].model_extra["stop_reason"] is None
+    # A stop string inside a speculative round: a plain answer ends where the stream does.
+    body = {"prompt": "ab ab ab ab ab ab", "max_tokens": 24, "temperature": 0, "return_token_ids": True,
+            "speculation": SPECULATIVE}  # fmt: skip
+    whole = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    stop = whole["text"][3:5]
+    plain = httpx.post(f"{stack.url}/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()
+    streamed = list(client.completions.create(model="target", prompt=body["prompt"], max_tokens=24, temperature=0,
+                                              stop=[stop], stream=True, stream_options={"include_usage": True},
+                                              extra_body={"return_token_ids": True, "speculation": SPECULATIVE}))  # fmt: skip
+    streamed_ids = [t for chunk in streamed[:-1] for t in chunk.choices[0].model_extra["token_ids"]]
+    assert plain["choices"][0]["token_ids"] == streamed_ids and plain["usage"]["completion_tokens"] == len(streamed_ids)
+    assert plain["usage"]["completion_tokens"] == streamed[-1].usage.completion_tokens < 24
 
 
 def test_chat_echo_continues_the_final_message_and_carries_prompt_fields_beside_the_choices(stack):
@@ -120,6 +132,7 @@ def test_vllms_routes_invocations_ping_tokenize_and_a_model_by_name(stack):
         ({"seed": 2**63}, ["less_than_equal"]),
         ({"seed": -(2**63) - 1}, ["greater_than_equal"]),
         ({"logit_bias": {"bad1": 5, "bad2": 5}}, ["bad1", "bad2"]),
+        ({"logit_bias": {"--5": 1}}, ["--5"]),
         ({"stop_token_ids": [100000]}, ["100000", "257"]),
     ],
 )

@@ -91,3 +91,19 @@ def test_stop_strings_wait_for_min_tokens():
     straddling.add(ids("ax"))
     straddling.add(ids("yz"))
     assert straddling.finish_reason == "stop" and straddling.emitted_text == "a"
+
+
+def test_a_stop_tokens_text_is_left_out_unless_asked_and_named_as_the_stop_reason():
+    """vLLM's: the token that stops a completion (end-of-sequence, or one of stop_token_ids)
+    is in its token ids, not in its text, unless include_stop_str_in_output; with
+    skip_special_tokens off too. The stop reason names the request's own stop token."""
+    x = ids("x")[0]
+    for include, special in ((False, False), (False, True), (True, False)):
+        a = TextAssembler(TOKENIZER, frozenset({256, x}), (), 100, include, skip_special_tokens=special,
+                          stop_token_ids=frozenset({x}))  # fmt: skip
+        text = a.add([*ids("ab"), x, *ids("cd")]).text
+        assert a.token_ids == [*ids("ab"), x] and a.finish_reason == "stop" and a.stop_reason == x
+        assert text == ("abx" if include else "ab")
+        b = TextAssembler(TOKENIZER, frozenset({256}), (), 100, include, skip_special_tokens=special)
+        shown = b.add([*ids("ab"), 256]).text
+        assert shown == ("ab<|endoftext|>" if include and not special else "ab") and b.stop_reason is None

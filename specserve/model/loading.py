@@ -86,7 +86,7 @@ def load_for_service(
         num_layers=num_layers,
         row_invariant=row_invariant,
         compile_steps=compile_steps,
-        precise_scoring=getattr(config, "precise_prompt_logprobs", False),
+        precise_scoring=row_invariant and getattr(config, "precise_prompt_logprobs", False),  # a target's
     )
 
 

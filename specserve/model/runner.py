@@ -31,7 +31,7 @@ from specserve.model.llama import (
     final_outputs,
     rope_tables,
 )
-from specserve.model.weights import Weights
+from specserve.model.weights import Weights, precise_copy
 from specserve_kernels.attention_reference import exact_attention_reference
 
 __all__ = ["EXACT_MAX_QUERIES", "KEY_BLOCK", "LlamaRunner", "RunnerSpec", "UnsupportedModel"]
@@ -62,7 +62,8 @@ class LlamaRunner:
         compile_steps (on a CPU) builds one-token steps (specserve/model/compiled_steps.py): a
         target's before the constructor returns, a draft's in the background; once ready,
         rows of up to EXACT_MAX_QUERIES tokens take them. precise_scoring keeps a float32 copy
-        of the matrices where they are 16-bit on a CPU, for prompts' logprobs (forward_scoring)."""
+        of the matrices where they are 16-bit on a CPU (weights.precise_copy), for
+        prompts' logprobs (forward_scoring)."""
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
@@ -77,8 +78,9 @@ class LlamaRunner:
         weights = Weights(Path(directory), self.spec, device, dtype, matmul_dtype, row_invariant)
         self.matmul_dtype, self.draft_matmul = weights.matmul_dtype, weights.draft_matmul
         self.embed, self.norm, self.lm_head, self.layers = weights.embed, weights.norm, weights.lm_head, weights.layers
-        precise = precise_scoring and device.type == "cpu" and dtype == torch.float32 != self.matmul_dtype
-        self.precise_weights = Weights(Path(directory), self.spec, device, dtype, dtype, False) if precise else None
+        self.precise_weights = precise_copy(
+            Path(directory), self.spec, device, dtype, self.matmul_dtype, precise_scoring
+        )
         self._allocate_cache(num_slots, compile_steps)
         self.compiled_steps = self._start_compiled_steps() if compile_steps else None
 

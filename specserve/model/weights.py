@@ -22,6 +22,8 @@ from specserve.model.llama import Layer, RunnerSpec, UnsupportedModel
 
 log = logging.getLogger(__name__)
 
+PRECISE_COPY_MAX_BYTES = 4 << 30  # the largest float32 copy of a target's matrices kept for scoring
+
 
 def load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
@@ -161,3 +163,19 @@ class Weights:
             gate_up=self._linear(weights, mlp + "gate_proj", mlp + "up_proj"),
             down=self._linear(weights, mlp + "down_proj"),
         )
+
+
+def precise_copy(
+    directory: Path, spec: RunnerSpec, device: torch.device, dtype: torch.dtype, matmul_dtype: torch.dtype, wanted: bool
+) -> Weights | None:
+    """A float32 copy of a runner's matrices for prompts' logprobs, where they are 16-bit on a
+    CPU (activations float32) and the copy takes at most PRECISE_COPY_MAX_BYTES."""
+    if not (wanted and device.type == "cpu" and dtype == torch.float32 != matmul_dtype):
+        return None
+    stored = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    if stored * 2 > PRECISE_COPY_MAX_BYTES:  # a 16-bit checkpoint's float32 copy: twice its bytes
+        log.info(
+            "prompts' logprobs from %s products: a float32 copy would take %.1f GB", matmul_dtype, stored * 2 / 1e9
+        )
+        return None
+    return Weights(directory, spec, device, dtype, dtype, False)

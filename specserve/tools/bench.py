@@ -219,21 +219,36 @@ def stream_one(
     path = "/v1/chat/completions" if isinstance(prompt, list) else "/v1/completions"
     body["messages" if isinstance(prompt, list) else "prompt"] = prompt
     started = time.perf_counter()
-    first, last, gaps, usage = None, None, [], None
+    arrivals, usage = [], None  # (seconds since the start, tokens) of each chunk with tokens
     with client.stream("POST", f"{url}{path}", json=body, headers=headers, timeout=600) as reply:
         for chunk in stream_chunks(reply):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             tokens = sum(len(c.get("token_ids", [])) for c in chunk.get("choices", []))
-            if not tokens:
-                continue
-            now = time.perf_counter()
-            if first is None:
-                first = now - started
-            else:
-                gaps.extend([(now - last) / tokens] * tokens)
-            last = now
-    return usage, first or 0.0, gaps, time.perf_counter() - started
+            if tokens:
+                arrivals.append((time.perf_counter() - started, tokens))
+    first, gaps = token_gaps(arrivals)
+    return usage, first, gaps, time.perf_counter() - started
+
+
+BURST_S = 0.001  # chunks this close together came out of one round (the gateway sends a chunk per token)
+
+
+def token_gaps(arrivals: list[tuple[float, int]]) -> tuple[float, list[float]]:
+    """(time to the first token, per-token gaps after it) from the chunks' arrivals: the chunks
+    of one round, a token each, arrive together, and a round's time is spread over its tokens."""
+    bursts: list[list[float]] = []  # [first chunk's arrival, last chunk's, tokens]
+    for at, tokens in arrivals:
+        if bursts and at - bursts[-1][1] < BURST_S:
+            bursts[-1][1], bursts[-1][2] = at, bursts[-1][2] + tokens
+        else:
+            bursts.append([at, at, tokens])
+    if not bursts:
+        return 0.0, []
+    first, gaps = bursts[0][0], []
+    for before, burst in zip(bursts, bursts[1:]):
+        gaps.extend([(burst[0] - before[0]) / burst[2]] * int(burst[2]))
+    return first, gaps
 
 
 def run_stack_row(url: str, prompts: list, row: Row, max_tokens: int) -> None:
