@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from specserve_kernels import attention_triton, rejection_triton, tree_triton
+    from specserve_kernels import attention_triton, penalties_triton, rejection_triton, tree_triton
 
     def pointers(*names, dtype):
         return {name: f"*{dtype}" for name in names}
@@ -42,12 +42,16 @@ SCRIPT = textwrap.dedent(
                        "q_ids_ptr", dtype="i64"),
             **pointers("target_probs_ptr", "q_probs_ptr", "uniforms_ptr", "exponentials_ptr", dtype="fp32"),
             **ints("n_max", "d_max", "vocab", "support")}
+    penalties = {**pointers("scores_ptr", "counts_ptr", dtype="fp32"), **pointers("rows_ptr", "tokens_ptr", dtype="i64"),
+                 **pointers("seen_ptr", dtype="u8"), **ints("num_entries", "vocab"),
+                 "presence": "fp32", "frequency": "fp32", "repetition": "fp32"}
     kernels = [
         (attention_triton._split_attention_kernel, split, {"SPLIT_KEYS": 256, "BLOCK_N": 64, "BLOCK_D": 128}),
         (attention_triton._combine_kernel, combine, {"SPLIT_KEYS": 256, "BLOCK_D": 128}),
         (rejection_triton._rejection_sample_kernel, rejection, {"K_BLOCK": 8, "S_BLOCK": 64, "V_BLOCK": 1024}),
         (rejection_triton._greedy_verify_kernel, greedy, {"K_BLOCK": 8, "V_BLOCK": 1024}),
         (tree_triton._tree_rejection_sample_kernel, tree, {"S_BLOCK": 64, "V_BLOCK": 1024}),
+        (penalties_triton._penalties_kernel, penalties, {"BLOCK": 256}),
     ]
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     ptxas = os.path.join(bin_dir, "ptxas-blackwell")  # the newer of the two Triton ships: reads its PTX
@@ -77,4 +81,4 @@ def test_every_triton_kernel_compiles_for_sm_90():
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=env
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 5, result.stdout
+    assert result.stdout.count("compiled") == 6, result.stdout
