@@ -26,7 +26,8 @@ class VerifyConfig(ServiceOptions):
     matmul_dtype: str = field(
         "auto",
         "dtype of the runner's weight matrices: auto (a 16-bit checkpoint on CPU: bfloat16 where the CPU has it, "
-        "else float32; a colocated draft's: int8 where the CPU has bfloat16), or a dtype for both",
+        "else float32; a colocated draft's: int8 where the CPU has bfloat16), a dtype for both, or int4 (4-bit "
+        "groups of 32 weights, a scale and zero each, multiplied in bfloat16; CPU only)",
     )
     precise_prompt_logprobs: bool = field(
         True,

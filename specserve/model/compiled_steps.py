@@ -207,9 +207,10 @@ class CompiledSteps:
                 ("logits", actual[0][0], expected[0][0][0]),
                 ("hidden state", actual[2][0], expected[1][0][0]),
             ):
-                if not torch.allclose(one, other, atol=1e-3, rtol=1e-3):
+                if not agrees(one, other):
                     raise RuntimeError(
-                        f"compiled step's {name} differs from the eager forward by {(one - other).abs().max():.2e}"
+                        f"compiled step's {name} differs from the eager forward by {(one - other).abs().max():.2e} "
+                        f"(mean {(one - other).abs().mean():.2e}, against a spread of {other.std():.2e})"
                     )
             # The graph of several rows (a size specialised by mistake recompiles here), and
             # the keys of a row at the end of its slot.
@@ -323,6 +324,19 @@ class CompiledSteps:
         if written.shape[1] > 1:
             torch._dynamo.mark_dynamic(written, 1)
         return self._compiled(runner.k_cache, runner.v_cache, *inputs, written, key_index)
+
+
+def agrees(compiled: torch.Tensor, eager: torch.Tensor) -> bool:
+    """Whether a compiled step's output is the eager forward's up to rounding. Inductor sums a
+    norm's or a softmax's terms in its own order; where the matrices are 16-bit, a last-bit
+    change in an activation can round its 16-bit copy the other way, and a deep model carries
+    that on (30 layers of bfloat16 products: logits a few hundredths apart). What this check
+    is for, a compile that computes something else, is off by the logits' own spread. Whatever
+    the difference, a target's decode and verify steps both run compiled and are checked
+    against each other to the bit (CompiledSteps._check_batch_independence)."""
+    difference = (compiled - eager).abs()
+    spread = eager.float().std()
+    return bool(difference.max() <= 1e-3 + 0.1 * spread and difference.mean() <= 1e-3 + 0.02 * spread)
 
 
 def _greedy_run(step, steps: int, owner: str):

@@ -29,15 +29,22 @@ class Linear:
     or more rows, oneDNN's the same for every count of two or more."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, row_invariant: bool = True, int8: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        row_invariant: bool = True,
+        int8: bool = False,
+        int4: bool = False,
     ):
         """int8: keep the matrix as int8 rows with a bfloat16 scale each (a draft's, where the CPU
-        multiplies bfloat16 natively; see Weights.draft_int8)."""
+        multiplies bfloat16 natively; see Weights.draft_int8). int4: as 4-bit groups of
+        INT4_GROUP inputs, each with a bfloat16 scale and zero (see quantize_groups)."""
         self.out_features, self.in_features = weight.shape
         self.device = weight.device
         self.quantized = quantize_rows(weight) if int8 else None  # rows are multiplied in bfloat16
-        self.dtype = torch.bfloat16 if int8 else weight.dtype
-        weight = None if int8 else weight
+        self.int4 = quantize_groups(weight) if int4 else None
+        self.dtype = torch.bfloat16 if int8 or int4 else weight.dtype
+        weight = None if int8 or int4 else weight
         self.bias = bias
         self.packed = prepack(weight, row_invariant) if weight is not None else None
         self.weight = weight if self.packed is None else None
@@ -49,6 +56,9 @@ class Linear:
         h = x if x.dtype == self.dtype else x.to(self.dtype)
         if self.quantized is not None:
             y = torch._weight_int8pack_mm(h, *self.quantized)
+            y = y if self.bias is None else y + self.bias
+        elif self.int4 is not None:
+            y = torch._weight_int4pack_mm_for_cpu(h, self.int4[0], INT4_GROUP, self.int4[1])
             y = y if self.bias is None else y + self.bias
         elif self.packed is not None:
             if self.pad_single and h.shape[0] == 1:
@@ -76,6 +86,46 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = (weight.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
     rows = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
     return rows.contiguous(), scales.to(torch.bfloat16).contiguous()
+
+
+# Inputs per 4-bit group, each with its own scale and zero: a GGUF Q4_0 or Q4_1 file's block
+# size, so a matrix read from one is split where the file split it.
+INT4_GROUP = 32
+INT4 = "int4"  # the matmul_dtype that asks for them
+
+
+def int4_products_work(in_features: int, device: torch.device) -> str | None:
+    """Why 4-bit products cannot serve here (None where they can): PyTorch's CPU kernel
+    multiplies bfloat16 rows by 4-bit groups (torch._weight_int4pack_mm_for_cpu)."""
+    if device.type != "cpu":
+        return "4-bit matrices are served on a CPU only"
+    if in_features % INT4_GROUP:
+        return f"a matrix's inputs ({in_features}) are not a multiple of {INT4_GROUP}"
+    try:
+        packed, scales_and_zeros = quantize_groups(torch.ones(16, 64))
+        y = torch._weight_int4pack_mm_for_cpu(
+            torch.ones(1, 64, dtype=torch.bfloat16), packed, INT4_GROUP, scales_and_zeros
+        )
+        return None if bool(y.eq(64).all()) else "torch's 4-bit product gave a wrong result on this CPU"
+    except (AttributeError, RuntimeError, NotImplementedError) as error:
+        return f"this torch has no CPU 4-bit product ({str(error).splitlines()[0] if str(error) else error})"
+
+
+def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit groups of INT4_GROUP inputs (min to max in 16 steps, llama.cpp's Q4_1
+    rule): (packed weight, bfloat16 [in / INT4_GROUP, out, 2] scales and zeros), for
+    torch._weight_int4pack_mm_for_cpu. Each row's product is its own, whatever the rows beside
+    it (row_independent probes it), and the kernel reads a matrix once for a few rows: a
+    verify of K + 1 rows costs less than K + 1 steps."""
+    out_features, in_features = weight.shape
+    groups = weight.float().reshape(out_features, in_features // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)  # [out, groups]
+    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    levels = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+    packed = torch._convert_weight_to_int4pack_for_cpu(levels.reshape(out_features, in_features).contiguous(), 1)
+    zero = low + 8 * scale  # the kernel computes (level - 8) * scale + zero
+    scales_and_zeros = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
+    return packed, scales_and_zeros
 
 
 def prepack(weight: torch.Tensor, row_invariant: bool = True) -> torch.Tensor | None:

@@ -14,6 +14,7 @@ import torch
 
 from specserve.config import resolve_dtype
 from specserve.model.backends import Backend, RunnerBackend, TransformersBackend
+from specserve.model.linear import INT4
 from specserve.paths import missing_tokenizer
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def load_model(
     started = time.perf_counter()
     tokenizer = load_tokenizer(path)
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
-    matmul = None if matmul_dtype == "auto" else resolve_dtype(matmul_dtype, device)
+    matmul = None if matmul_dtype == "auto" else INT4 if matmul_dtype == INT4 else resolve_dtype(matmul_dtype, device)
     if num_layers is not None and backend == "transformers":
         raise ValueError("early exit (num_layers) needs the runner backend")
     loaded_backend = _load_backend(
@@ -154,7 +155,7 @@ def _matmul_note(backend: Backend, dtype: torch.dtype) -> str:
     runner = getattr(backend, "runner", None)
     if runner is None or runner.matmul_dtype == dtype:
         return ""
-    return f", matrices in {runner.matmul_dtype}"
+    return f", matrices in {'4-bit groups' if runner.int4 else runner.matmul_dtype}"
 
 
 def _load_backend(

@@ -76,7 +76,7 @@ class LlamaRunner:
         self.exact_attention = exact_attention
         self._exact_attention = self._exact_attention_kernel()
         weights = Weights(Path(directory), self.spec, device, dtype, matmul_dtype, row_invariant)
-        self.matmul_dtype, self.draft_matmul = weights.matmul_dtype, weights.draft_matmul
+        self.matmul_dtype, self.draft_matmul, self.int4 = weights.matmul_dtype, weights.draft_matmul, weights.int4
         self.embed, self.norm, self.lm_head, self.layers = weights.embed, weights.norm, weights.lm_head, weights.layers
         self.precise_weights = precise_copy(
             Path(directory), self.spec, device, dtype, self.matmul_dtype, precise_scoring

@@ -10,11 +10,15 @@ from pathlib import Path
 
 import torch
 
+from specserve.model.gguf import source_bits
 from specserve.model.linear import (
+    INT4,
+    INT4_GROUP,
     SMALL_MATRIX_ENTRIES,
     Linear,
     auto_matmul_dtype,
     cpu_has_bf16,
+    int4_products_work,
     int8_products_work,
     row_independent,
 )
@@ -58,6 +62,9 @@ class Weights:
     ):
         self.spec, self.device, self.dtype, self.row_invariant = spec, device, dtype, row_invariant
         weights = load_safetensors(directory)
+        self.int4, self.head_bits = self._four_bit(directory, matmul_dtype)
+        if self.int4:
+            matmul_dtype = torch.bfloat16  # the rest: embedding rows, and matrices kept in 16 bits
         self.matmul_dtype = matmul_dtype or auto_matmul_dtype(weights, device, dtype)
         auto_int8 = not row_invariant and matmul_dtype is None and device.type == "cpu" and cpu_has_bf16()
         self.draft_matmul = "int8" if auto_int8 and int8_products_work() else ""
@@ -69,6 +76,25 @@ class Weights:
         self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
         if spec.qk_norm and self.layers[0].q_norm is None:
             raise UnsupportedModel("a qwen3 checkpoint without q_norm weights")
+
+    def _four_bit(self, directory: Path, matmul_dtype) -> tuple[bool, int]:
+        """(layers in 4 bits, the output head's bits): the layers' matrices kept as 4-bit groups
+        (Linear's int4), multiplied by bfloat16 rows, where int4 is asked for (the head too), or
+        by default where the directory was converted from a GGUF file that held them in 4 bits
+        (specserve/model/gguf.py) and the CPU can multiply them; the head then as the file
+        held it (4 bits, 8 bits: Linear's int8, else 16)."""
+        why_not = int4_products_work(self.spec.hidden_size, self.device)
+        if matmul_dtype == INT4:
+            if why_not:
+                raise UnsupportedModel(f"matmul_dtype int4: {why_not}")
+            return True, 4
+        layers, head = source_bits(directory)
+        if matmul_dtype is not None or layers != 4:
+            return False, 16
+        if why_not:
+            log.info("the GGUF file's 4-bit matrices are multiplied in 16 bits here: %s", why_not)
+            return False, 16
+        return True, head if head != 8 or int8_products_work() else 16
 
     def check_row_independence(self, weights: dict[str, torch.Tensor], chosen: bool) -> None:
         """Probes the first layer's matrices and the LM head, built in the chosen dtype: does
@@ -117,7 +143,7 @@ class Weights:
     def _maybe(self, weights: dict[str, torch.Tensor], name: str, dtype: torch.dtype | None = None):
         return self._take(weights, name, dtype) if name in weights else None
 
-    def _linear(self, weights: dict[str, torch.Tensor], *names: str) -> Linear:
+    def _linear(self, weights: dict[str, torch.Tensor], *names: str, head: bool = False) -> Linear:
         """The product with the named matrices stacked (q, k, v; gate, up), biases where the
         checkpoint has them, in matmul_dtype (a draft's small ones, see _draft_dtype)."""
         entries = sum(weights[n + ".weight"].numel() for n in names if n + ".weight" in weights)
@@ -128,9 +154,15 @@ class Weights:
         bias = None if biases[0] is None else torch.cat(biases).contiguous()
         matrices = [self._take(weights, n + ".weight", dtype) for n in names]
         weight = matrices[0] if len(names) == 1 else torch.cat(matrices).contiguous()
-        if self.draft_int8:
+        if self.draft_int8 or self.int4:
             bias = None if bias is None else bias.to(torch.bfloat16)
-        return Linear(weight, bias, self.row_invariant, int8=self.draft_int8)
+        int4 = self._int4(weight) and (self.head_bits == 4 or not head)
+        int8 = self.draft_int8 or (head and self.head_bits == 8)
+        return Linear(weight, bias, self.row_invariant, int8=int8, int4=int4)
+
+    def _int4(self, weight: torch.Tensor) -> bool:
+        """Whether weight is kept in 4 bits: asked for, and its inputs split into whole groups."""
+        return self.int4 and weight.shape[1] % INT4_GROUP == 0
 
     def _draft_dtype(self, entries: int) -> torch.dtype:
         """A draft's matrices of at most SMALL_MATRIX_ENTRIES stay float32 on a CPU (without
@@ -147,8 +179,9 @@ class Weights:
     def _lm_head(self, weights: dict[str, torch.Tensor], embed: torch.Tensor) -> Linear:
         if self.spec.tie_word_embeddings and "lm_head.weight" not in weights:
             tied = self._take(weights, "model.embed_tokens.weight", torch.float32) if self.draft_int8 else embed
-            return Linear(tied, None, self.row_invariant, int8=self.draft_int8)
-        return self._linear(weights, "lm_head")
+            int4 = self.head_bits == 4 and self._int4(tied)
+            return Linear(tied, None, self.row_invariant, int8=self.draft_int8 or self.head_bits == 8, int4=int4)
+        return self._linear(weights, "lm_head", head=True)
 
     def _layer(self, weights: dict[str, torch.Tensor], i: int) -> Layer:
         p = f"model.layers.{i}."

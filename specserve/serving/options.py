@@ -41,7 +41,8 @@ class ServiceOptions(TracingOptions):
             f"backend must be auto, runner or transformers, got {self.backend!r}",
         )
         check(
-            self.matmul_dtype in ("auto", "float32", "bfloat16", "float16"), f"bad matmul_dtype {self.matmul_dtype!r}"
+            self.matmul_dtype in ("auto", "float32", "bfloat16", "float16", "int4"),
+            f"bad matmul_dtype {self.matmul_dtype!r}",
         )
         check(self.max_model_len >= 2, "max_model_len must be >= 2")
         check(self.max_batched_tokens >= 1, "max_batched_tokens must be >= 1")
