@@ -56,17 +56,19 @@ def test_cpus_take_taskset_lists_and_refuse_what_this_process_cannot_use(capsys)
 
 
 def test_up_limits_speculation_to_one_request_on_the_cpu_unless_told(monkeypatch, capsys):
-    from specserve import cli
+    from specserve import cli, up
 
     def gateway_flags(*argv: str) -> list[str]:
-        command = cli._gateway_command(cli._parser().parse_args(["up", *argv]))
+        args = cli._parser().parse_args(["up", *argv])
+        assert up.resolve_models(args) is None
+        command = up._gateway_command(args)
         return command[command.index("--verify-address") + 2 :]
 
     monkeypatch.delenv("SPECSERVE_GATEWAY_MAX_SPECULATING_REQUESTS", raising=False)
-    assert gateway_flags("--device", "cpu") == ["--max-speculating-requests", str(cli.CPU_MAX_SPECULATING_REQUESTS)]
+    assert gateway_flags("--device", "cpu") == ["--max-speculating-requests", str(up.CPU_MAX_SPECULATING_REQUESTS)]
     assert gateway_flags("--device", "cuda:0") == []
     assert gateway_flags("--device", "cpu", "--max-speculating-requests", "0") == ["--max-speculating-requests", "0"]
     monkeypatch.setenv("SPECSERVE_GATEWAY_MAX_SPECULATING_REQUESTS", "4")
     assert gateway_flags("--device", "cpu") == []  # the gateway reads the variable itself
-    assert cli.up(cli._parser().parse_args(["up", "--max-speculating-requests", "many"])) == 2
+    assert up.up(cli._parser().parse_args(["up", "--max-speculating-requests", "many"])) == 2
     assert "takes auto or a count" in capsys.readouterr().err
