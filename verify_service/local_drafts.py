@@ -21,6 +21,7 @@ from specserve.drafting import Drafter, DraftJob, DraftSession, Proposal
 from specserve.errors import RequestError
 from specserve.logit_processing import NEUTRAL
 from specserve.lookahead import LookaheadSession, LookaheadShape
+from specserve.pacing import MethodRate, Pacing
 from specserve.serving.logs import RateLimitedLog
 from specserve.speculation import KChooser, RoundChoice, Shared, Speculation
 from verify_service.medusa_drafts import MedusaDrafting
@@ -40,6 +41,8 @@ class SessionDrafts:
     last_k: int = 0  # the K of the round before
     tree_round: bool = False  # whether the round drafted now is a tree
     prompt_length: int = 0  # the session's tokens that are its prompt (logits processing counts the rest)
+    pacing: Pacing | None = None  # lookahead's: its rounds or target-only ones
+    paced_round: bool = False  # whether the round drafted now is lookahead's
 
     def observe(self, outcome, round_s: float) -> None:
         """Feeds a round's Outcome to the chooser: its drafting, its verify (forward and
@@ -48,8 +51,11 @@ class SessionDrafts:
         the first after target-only rounds (it reads what they made; counted, it made drafts
         look dear, which made the target-only stretches, and so the next catch-up, longer).
         A lookahead round's verify feeds its window too, no round of K drafts: its costs would
-        mislead the K of every session, and lookahead rounds are not chosen by them."""
+        mislead the K of every session, and lookahead rounds are not chosen by them but paced
+        (specserve/pacing.py)."""
         if self.lookahead is not None:
+            verify_s = (outcome.decided_ns - outcome.batch_started_ns) / 1e9
+            self.pacing.observe(self.paced_round, outcome.num_accepted + 1, round_s, verify_s)
             return
         verify_s = (outcome.decided_ns - outcome.batch_started_ns) / 1e9
         usual = self.drafted_rounds and self.last_k > 0
@@ -64,7 +70,11 @@ class SessionDrafts:
         for lookahead candidates of N - 1 tokens (fewer near the end), every round."""
         if self.lookahead is None:
             return self.chooser.next_round(remaining)
-        return RoundChoice(min(self.lookahead.shape.ngram - 1, max(0, remaining - 1)))
+        # Adaptive, lookahead rounds alternate with target-only ones where they do not pay.
+        paced = self.speculation.adaptive and not self.pacing.speculate()
+        k = 0 if paced else min(self.lookahead.shape.ngram - 1, max(0, remaining - 1))
+        self.paced_round = k > 0
+        return RoundChoice(k)
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,7 @@ class LocalDrafting:
         self.max_speculative_tokens = max_speculative_tokens
         self._failures = RateLimitedLog(log)
         self.shared = Shared()  # what the sessions learn together: round costs, acceptance
+        self.method_rates: dict[str, MethodRate] = {}  # paced methods' tokens per second (lookahead's)
         vocab = drafter.options.vocab_size
         self._larger_vocabulary = any(m.vocab_size > vocab for m in drafter.models.values())
 
@@ -125,7 +136,8 @@ class LocalDrafting:
             shape = self.lookahead.with_settings(speculation.lookahead)  # raises for a bad setting
             self.close(current)
             session = LookaheadSession(shape, self.drafter.options.ngram_max, self.lookahead_every_round)
-            return SessionDrafts(speculation, None, chooser, session, prompt_length=prompt_length)
+            pacing = Pacing(self.shared.costs, self.method_rates.setdefault("lookahead", MethodRate()))
+            return SessionDrafts(speculation, None, chooser, session, prompt_length=prompt_length, pacing=pacing)
         draft = None
         if speculation.method != "medusa":  # raises for a method not served, or when full
             draft = self.drafter.open_session(
