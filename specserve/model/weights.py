@@ -161,8 +161,9 @@ class Weights:
         return Linear(weight, bias, self.row_invariant, int8=int8, int4=int4)
 
     def _int4(self, weight: torch.Tensor) -> bool:
-        """Whether weight is kept in 4 bits: asked for, and its inputs split into whole groups."""
-        return self.int4 and weight.shape[1] % INT4_GROUP == 0
+        """Whether weight is kept in 4 bits: asked for, its inputs split into whole groups and its
+        outputs into the kernel's blocks of 16 (others, a vocabulary of 259, stay 16-bit)."""
+        return self.int4 and weight.shape[1] % INT4_GROUP == 0 and weight.shape[0] % 16 == 0
 
     def _draft_dtype(self, entries: int) -> torch.dtype:
         """A draft's matrices of at most SMALL_MATRIX_ENTRIES stay float32 on a CPU (without

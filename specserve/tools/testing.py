@@ -83,3 +83,60 @@ def save_pair(
     draft.save_pretrained(draft_dir)
     draft_tokenizer.save_pretrained(draft_dir)
     return target_dir, draft_dir
+
+
+def save_tiny_gguf(path: Path, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0):
+    """A random Llama GGUF file as llama.cpp's converter lays one out (needs the gguf package):
+    Q4_1 layer matrices, a Q8_0 token embedding that the output shares, float32 norms, and a
+    byte-level BPE vocabulary of 256 bytes, <|im_start|>, <|im_end|> (EOS) and one merge."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Quant
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    rng = np.random.default_rng(seed)
+    tokens = [*bytes_to_unicode().values(), "<|im_start|>", "<|im_end|>", "Ġt"]
+    ffn, head_dim = 2 * hidden, hidden // heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 256 + [3, 3, 1])
+    writer.add_token_merges(["Ġ t"])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(257)
+
+    def matrix(name: str, rows: int, columns: int, quant=Quant.Q4_1) -> None:
+        values = rng.standard_normal((rows, columns)).astype(np.float32) * 0.2
+        writer.add_tensor(name, gguf.quants.quantize(values, quant), raw_dtype=quant)
+
+    matrix("token_embd.weight", len(tokens), hidden, Quant.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    for i in range(layers):
+        block = f"blk.{i}."
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"{block}{norm}.weight", np.ones(hidden, dtype=np.float32))
+        for name, rows, columns in (
+            ("attn_q", heads * head_dim, hidden),
+            ("attn_k", kv_heads * head_dim, hidden),
+            ("attn_v", kv_heads * head_dim, hidden),
+            ("attn_output", hidden, heads * head_dim),
+            ("ffn_gate", ffn, hidden),
+            ("ffn_up", ffn, hidden),
+            ("ffn_down", hidden, ffn),
+        ):
+            matrix(f"{block}{name}.weight", rows, columns)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
