@@ -2,11 +2,15 @@
 measured side by side in one run, and explained with docs/design.md's model.
 
 Rows per (workload, temperature, clients): target-only through the stack (method "none"),
-speculative through the stack for each K (and adaptive K), and, with one client,
-transformers' generate() of the target alone (in float32 and float16) and with the draft as
-its assistant model, in this process. Requests of every row interleave prompt by prompt, so
-load elsewhere on the machine hits all rows alike: compare ratios within one run, not
-absolute figures across runs.
+speculative through the stack for each K (and adaptive K), and, with one client, what a user
+would run instead, in this process (tools/baselines.py): transformers' generate() of the target
+alone (in float32 and float16) and with the draft as its assistant model, and with --llama-cpp
+llama-cpp-python on the target's GGUF file, plain and with its prompt-lookup drafting.
+Requests of every row interleave prompt by prompt, so load elsewhere on the machine hits all
+rows alike: compare ratios within one run, not absolute figures across runs.
+
+A target without a draft (--draft none) has no draft_model or assistant-model rows: rows of
+a method the stack does not serve are skipped with a line saying so.
 
 For each speculative row, docs/design.md's decomposition of a round, every cost relative to one
 target step t (the verifier's forward time per token of the "none" row): alpha (acceptance
@@ -30,18 +34,46 @@ from pathlib import Path
 
 import httpx
 
+from specserve.model.gguf import resolve_model
 from specserve.paths import DEMO_DRAFT, DEMO_TARGET
-from specserve.speculation import TREE_METHODS
+from specserve.speculation import METHODS, TREE_METHODS
+from specserve.tools.baselines import (
+    LLAMA_CPP_ROWS,
+    LOCAL,
+    TRANSFORMERS_ROWS,
+    LlamaCpp,
+    Transformers,
+    extra_buffers_decode,
+    load_llama_cpp,
+    prompt_lookup_class,
+)
+from specserve.tools.bench_report import markdown, plots, verdicts
 from specserve.trees import TreeShape
 
-WORKLOADS = ("code", "edit", "chat", "mixed", "template")
+WORKLOADS = ("code", "edit", "chat", "mixed", "template", "assistant")
+# Workload assistant: what people ask a general chat model, outside the demo's code domain.
+ASSISTANT_QUESTIONS = (
+    "Explain why the sky is blue in a few sentences.",
+    "How do I make a good cup of pour-over coffee at home?",
+    "List five habits that help people sleep better.",
+    "Write a short email to my landlord asking when the broken heater will be repaired.",
+    "What is inflation? Give a simple definition.",
+    "What is the difference between a virus and a bacterium?",
+    "How should I prepare for a job interview?",
+    "Suggest three ideas for a weekend trip with young children.",
+    "Explain how vaccines train the immune system.",
+    "Compare renting and buying a home: what are the main pros and cons of each?",
+    "Write a polite message declining an invitation to a friend's birthday dinner.",
+    "What were the main causes of the French Revolution?",
+)
 
 
 # ----------------------------------------------------------------------------- prompts
 
 
 def workload_prompts(workload: str, count: int) -> list:
-    """Prompts of a workload: strings for completions, message lists for chat."""
+    """Prompts of a workload: strings for completions, message lists for chat (workloads chat
+    and assistant, sent to /v1/chat/completions)."""
     from specserve.tools.workloads import chat_prompts, code_completion_prompts, edit_prompts, template_prompts
 
     if workload == "code":
@@ -52,6 +84,8 @@ def workload_prompts(workload: str, count: int) -> list:
         return chat_prompts(count)
     if workload == "template":
         return template_prompts(count)
+    if workload == "assistant":
+        return [[{"role": "user", "content": question}] for question in ASSISTANT_QUESTIONS[:count]]
     if workload == "mixed":  # the three interleaved: what one server sees from many users
         parts = [workload_prompts(w, -(-count // 3)) for w in ("code", "edit", "chat")]
         return [p for group in zip(*parts) for p in group][:count]
@@ -66,8 +100,8 @@ class Row:
     workload: str
     temperature: float
     clients: int
-    method: str  # none | draft_model | early_exit | ngram | suffix | medusa | lookahead | hf_target | hf_assisted
-    k: int = 0
+    method: str  # none, one of SPECULATIVE, or one of LOCAL
+    k: int = 0  # draft tokens per round (llama_cpp_lookup: its num_pred_tokens)
     dtype: str = ""  # of the transformers rows' models
     adaptive: bool = False
     pipeline: bool = False
@@ -98,11 +132,22 @@ class Row:
             label = f"{self.method} tree {self.tree}" + (" adaptive" if self.adaptive else "")
         if self.method == "lookahead":
             label = f"lookahead W,N,G={self.lookahead or 'default'}"
+        if self.method == "llama_cpp":
+            label = "llama.cpp"
+        if self.method == "llama_cpp_lookup":
+            label = f"llama.cpp prompt lookup K={self.k}"
         return f"{label} {self.dtype}" if self.dtype else label
 
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+    def add_sample(self, tokens: int, seconds: float) -> None:
+        """One request of an in-process row: one client, so its time adds to the row's."""
+        self.requests += 1
+        self.completion_tokens += tokens
+        self.wall_seconds += seconds
+        self.samples.append((tokens, seconds))
 
     def per_round(self, key: str) -> float:
         return self.timings.get(key, 0.0) / self.rounds if self.rounds else 0.0
@@ -134,7 +179,7 @@ def row_label(method: str, k: int, adaptive: bool = False, pipeline: bool = Fals
     return method
 
 
-SPECULATIVE = ("draft_model", "early_exit", "ngram", "suffix", "medusa", "lookahead")
+SPECULATIVE = METHODS  # the stack's speculative rows: a method each
 # API keys of a stack the bench starts: the warm-up's, then one per row.
 ROW_KEYS = ("bench-warm-up", *(f"bench-row-{i}" for i in range(256)))
 ADAPTIVE_MIN_PROBABILITY = 0.0
@@ -184,10 +229,19 @@ def _pct(values: list[float], q: float) -> float:
 # ----------------------------------------------------------------------------- stack rows
 
 
+class NotServed(RuntimeError):
+    """The gateway's 400 for a speculation method its stack does not serve; the message names
+    those it does."""
+
+
 def stream_chunks(reply: httpx.Response):
     """The JSON chunks of a streamed completion (its SSE data lines); an error chunk raises."""
     if reply.status_code != 200:
-        raise RuntimeError(f"{reply.request.url.path} answered {reply.status_code}: {reply.read().decode()[:300]}")
+        body = reply.read().decode()
+        error = _error_of(body)
+        if reply.status_code == 400 and error.get("param") == "speculation.method":
+            raise NotServed(error.get("message", body))
+        raise RuntimeError(f"{reply.request.url.path} answered {reply.status_code}: {body[:300]}")
     for line in reply.iter_lines():
         if not line.startswith("data: {"):
             continue
@@ -231,6 +285,15 @@ def stream_one(
     return usage, first, gaps, time.perf_counter() - started
 
 
+def _error_of(body: str) -> dict:
+    """The "error" object of an answer in OpenAI's shape; {} where the body is not one."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return {}
+    return error if isinstance(error, dict) else {}
+
+
 BURST_S = 0.001  # chunks this close together came out of one round (the gateway sends a chunk per token)
 
 
@@ -268,47 +331,20 @@ def run_stack_row(url: str, prompts: list, row: Row, max_tokens: int) -> None:
             row.samples.append((usage["completion_tokens"], seconds))
 
 
-# ----------------------------------------------------------------------------- transformers rows
-
-
-class Transformers:
-    """transformers' generate(), target alone or with the draft as assistant, in this process,
-    with the models in each dtype asked for."""
-
-    def __init__(self, target_dir: str, draft_dir: str, dtypes: list[str]):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        load = lambda path, dtype: AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()  # noqa: E731
-        self.models = {dtype: (load(target_dir, dtype), load(draft_dir, dtype)) for dtype in dtypes}
-
-    def run(self, prompts: list, row: Row, max_tokens: int) -> None:
-        target, draft = self.models[row.dtype]
-        for seed, prompt in enumerate(prompts):
-            if isinstance(prompt, list):
-                text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-                ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-            else:
-                ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"]
-            kwargs = {"max_new_tokens": max_tokens, "do_sample": row.temperature > 0}
-            if row.temperature > 0:
-                kwargs["temperature"] = row.temperature
-                self.torch.manual_seed(seed)
-            if row.method == "hf_assisted":
-                kwargs["assistant_model"] = draft
-            started = time.perf_counter()
-            with self.torch.inference_mode():
-                out = target.generate(ids, attention_mask=self.torch.ones_like(ids), **kwargs)
-            seconds = time.perf_counter() - started
-            row.wall_seconds += seconds
-            row.requests += 1
-            row.completion_tokens += out.shape[1] - ids.shape[1]
-            row.samples.append((out.shape[1] - ids.shape[1], seconds))
-
-
 # ----------------------------------------------------------------------------- the run
+
+
+def has_draft(args) -> bool:
+    """Whether the target has a draft model: --draft none (or empty) serves it alone."""
+    return default_draft(args) not in ("", "none")
+
+
+def default_draft(args) -> str:
+    """--draft as given, or what `specserve up` takes without one: the demo draft with the demo
+    target, else none."""
+    if args.draft is not None:
+        return args.draft
+    return str(DEMO_DRAFT) if Path(args.target).resolve() == DEMO_TARGET.resolve() else "none"
 
 
 def plan_rows(args) -> list[Row]:
@@ -316,34 +352,54 @@ def plan_rows(args) -> list[Row]:
     for workload in args.workloads:
         for temperature in args.temperatures:
             for clients in args.concurrency:
-                rows.append(Row(workload, temperature, clients, "none"))
-                chains = [method for method in args.methods if method != "lookahead"]
-                rows += [Row(workload, temperature, clients, method, k) for method in chains for k in args.k]
-                if "lookahead" in args.methods:  # its rounds are its shape's, not a K's
-                    rows += [
-                        Row(workload, temperature, clients, "lookahead", lookahead=shape) for shape in args.lookahead
-                    ]
-                if args.adaptive:
-                    rows.append(Row(workload, temperature, clients, "draft_model", max(args.k), adaptive=True,
-                                    min_draft_probability=args.adaptive_min_probability))  # fmt: skip
-                if args.pipeline:
-                    rows += [Row(workload, temperature, clients, "draft_model", k, pipeline=True) for k in args.k]
-                tree_methods = [m for m in args.methods if m in TREE_METHODS] or ["draft_model"]
-                for tree, method in ((tree, method) for tree in args.tree for method in tree_methods):
-                    size = len(TreeShape.parse(tree))
-                    rows.append(Row(workload, temperature, clients, method, size, tree=tree))
-                    if args.adaptive:
-                        rows.append(Row(workload, temperature, clients, method, max(args.k), adaptive=True,
-                                        tree=tree))  # fmt: skip
-                if clients == 1 and args.transformers:
-                    rows += [Row(workload, temperature, 1, "hf_target", dtype=dtype) for dtype in args.hf_dtypes]
-                    rows.append(Row(workload, temperature, 1, "hf_assisted", dtype=args.hf_dtypes[0]))
+                if getattr(args, "stack", True):
+                    rows += stack_rows(args, workload, temperature, clients)
+                if clients == 1:
+                    rows += local_rows(args, workload, temperature)
     return rows
 
 
-def run(args, url: str, metrics_port: int | None = None) -> list[Row]:
+def stack_rows(args, workload: str, temperature: float, clients: int) -> list[Row]:
+    """The rows of one group served by the stack: target-only, then the speculative ones."""
+    rows = [Row(workload, temperature, clients, "none")]
+    chains = [method for method in args.methods if method != "lookahead"]
+    rows += [Row(workload, temperature, clients, method, k) for method in chains for k in args.k]
+    if "lookahead" in args.methods:  # its rounds are its shape's, not a K's
+        rows += [Row(workload, temperature, clients, "lookahead", lookahead=shape) for shape in args.lookahead]
+    if args.adaptive:
+        min_p = args.adaptive_min_probability
+        rows.append(
+            Row(workload, temperature, clients, "draft_model", max(args.k), adaptive=True, min_draft_probability=min_p)
+        )
+    if args.pipeline:
+        rows += [Row(workload, temperature, clients, "draft_model", k, pipeline=True) for k in args.k]
+    tree_methods = [m for m in args.methods if m in TREE_METHODS] or ["draft_model"]
+    for tree, method in ((tree, method) for tree in args.tree for method in tree_methods):
+        size = len(TreeShape.parse(tree))
+        rows.append(Row(workload, temperature, clients, method, size, tree=tree))
+        if args.adaptive:
+            rows.append(Row(workload, temperature, clients, method, max(args.k), adaptive=True, tree=tree))
+    return rows
+
+
+def local_rows(args, workload: str, temperature: float) -> list[Row]:
+    """The in-process rows of one group (one client): transformers' generate(), with the
+    draft as assistant where there is one, and llama.cpp with --llama-cpp."""
+    rows = []
+    if args.transformers:
+        rows += [Row(workload, temperature, 1, "hf_target", dtype=dtype) for dtype in args.hf_dtypes]
+        if has_draft(args):
+            rows.append(Row(workload, temperature, 1, "hf_assisted", dtype=args.hf_dtypes[0]))
+    if getattr(args, "llama_cpp", None):
+        rows.append(Row(workload, temperature, 1, "llama_cpp"))
+        if args.llama_cpp_lookup > 0:
+            rows.append(Row(workload, temperature, 1, "llama_cpp_lookup", args.llama_cpp_lookup))
+    return rows
+
+
+def run(args, url: str | None, metrics_port: int | None = None) -> list[Row]:
     """Every row, interleaved prompt by prompt; metrics_port: the drafting service's metrics,
-    where the bench started the stack."""
+    where the bench started the stack; url None: no stack (--no-stack), in-process rows only."""
     from tqdm import tqdm
 
     rows = plan_rows(args)
@@ -354,18 +410,10 @@ def run(args, url: str, metrics_port: int | None = None) -> list[Row]:
         for row, key in zip(rows, ROW_KEYS[1:]):
             row.key = key
     prompts = {w: workload_prompts(w, args.prompts) for w in args.workloads}
-    hf = Transformers(args.target, args.draft, args.hf_dtypes) if args.transformers else None
-    # Warm-up: the first calls pay for lazy initialisation, and a draft's first greedy rounds
-    # of each K start compiling its greedy run (waited for where the metrics are at hand).
-    warm_ups = {
-        (row.method, row.k, row.adaptive): row for row in rows if row.method not in ("none", "hf_target", "hf_assisted")
-    }
-    with httpx.Client() as client:
-        for row in warm_ups.values() or [Row("code", 0.0, 1, "draft_model", args.k[0])]:
-            warm_up = replace(
-                row, temperature=0.0, clients=1, key=ROW_KEYS[0] if getattr(args, "row_keys", False) else ""
-            )
-            stream_one(client, url, prompts[args.workloads[0]][0], warm_up, 16, 0)
+    local = LocalRunners.load(args, [p for group in prompts.values() for p in group])
+    local.warm_up(rows, prompts[args.workloads[0]][:1])
+    if url is not None:
+        rows = warm_up(args, url, rows, prompts[args.workloads[0]][0])
     if metrics_port is not None:
         wait_for_compiled_steps(metrics_port, time.monotonic() + 300)
     # Interleave: prompt by prompt, every row of a group gets its turn.
@@ -377,11 +425,81 @@ def run(args, url: str, metrics_port: int | None = None) -> list[Row]:
         if row.clients > 1
     ]
     for row, batch in tqdm(steps, desc="bench", unit="step", file=sys.stderr):
-        if row.method in ("hf_target", "hf_assisted"):
-            hf.run(batch, row, args.max_tokens)
+        if row.method in LOCAL:
+            for sample in local.run(batch, row, args.max_tokens):
+                row.add_sample(*sample)
         else:
             run_stack_row(url, batch, row, args.max_tokens)
     return rows
+
+
+def warm_up(args, url: str, rows: list[Row], prompt) -> list[Row]:
+    """The stack's rows that it serves, after a short greedy request of each method and K: the
+    first calls pay for lazy initialisation, and a draft's first greedy rounds of each K start
+    compiling its greedy run. A method the stack does not serve (the gateway's 400) drops its
+    rows, with one line saying so."""
+    key = ROW_KEYS[0] if getattr(args, "row_keys", False) else ""
+    firsts = {(row.method, row.k, row.adaptive): row for row in rows if row.method not in LOCAL}
+    unserved: dict[str, str] = {}
+    with httpx.Client() as client:
+        for row in firsts.values():
+            if row.method in unserved:
+                continue
+            try:
+                stream_one(client, url, prompt, replace(row, temperature=0.0, clients=1, key=key), 16, 0)
+            except NotServed as error:
+                unserved[row.method] = str(error)
+    for method, reason in unserved.items():
+        print(f"skipping the {method} rows: {reason}", file=sys.stderr)
+    return [row for row in rows if row.method not in unserved]
+
+
+@dataclass
+class LocalRunners:
+    """What runs the in-process rows: transformers' models and llama.cpp's, where asked for."""
+
+    transformers: Transformers | None = None
+    llama_cpp: LlamaCpp | None = None
+
+    @classmethod
+    def load(cls, args, prompts: list) -> LocalRunners:
+        """The runners of args' rows; prompts: every prompt of the run (llama.cpp's context
+        holds the longest)."""
+        hf = None
+        if args.transformers:
+            hf = Transformers(args.target, default_draft(args) if has_draft(args) else None, args.hf_dtypes)
+        llama = None
+        if getattr(args, "llama_cpp", None):
+            args.llama_cpp_extra_buffers = extra_buffers_decode(args.llama_cpp)  # recorded in bench.json
+            if not args.llama_cpp_extra_buffers:
+                why = "llama.cpp's extra buffer types (AMX, repacked weights) crash a decode on this machine"
+                print(f"{why}: the llama.cpp rows keep their weights in plain CPU buffers", file=sys.stderr)
+            llama = load_llama_cpp(
+                args.llama_cpp,
+                args.target,
+                args.llama_cpp_threads,
+                args.llama_cpp_lookup,
+                prompts,
+                args.max_tokens,
+                tokenizer=hf.tokenizer if hf else None,
+                extra_buffers=args.llama_cpp_extra_buffers,
+            )
+            same = len(prompts) - llama.mismatched_prompts(prompts)
+            note = f"llama.cpp's tokenizer splits {same} of {len(prompts)} prompts as the target's does"
+            print(f"{note} (every row is fed the target's ids)", file=sys.stderr)
+        return cls(hf, llama)
+
+    def run(self, prompts: list, row: Row, max_tokens: int) -> list:
+        """(completion tokens, seconds) of each prompt of an in-process row."""
+        if row.method in TRANSFORMERS_ROWS:
+            assisted = row.method == "hf_assisted"
+            return self.transformers.run(prompts, row.dtype, assisted, row.temperature, max_tokens)
+        return self.llama_cpp.run(prompts, row.method, row.temperature, max_tokens)
+
+    def warm_up(self, rows: list[Row], prompts: list) -> None:
+        """A short greedy request of each llama.cpp row: its first pays for mapping the file in."""
+        for method in dict.fromkeys(row.method for row in rows if row.method in LLAMA_CPP_ROWS):
+            self.llama_cpp.run(prompts, method, 0.0, 16)
 
 
 def results(rows: list[Row]) -> list[dict]:
@@ -396,6 +514,9 @@ def results(rows: list[Row]) -> list[dict]:
                   "requests": row.requests, "completion_tokens": row.completion_tokens,
                   **analyse(row, baseline)}  # fmt: skip
         record["rounds"] = row.rounds
+        generate = fastest(rows, row, ("hf_target",))
+        if generate:
+            record["vs_generate"] = row.tokens_per_s / generate
         if single is not None and single.tokens_per_s:
             record["vs_one_client"] = row.tokens_per_s / single.tokens_per_s
         if baseline is not None and row is not baseline and row.clients == 1:
@@ -415,9 +536,11 @@ def results(rows: list[Row]) -> list[dict]:
     return out
 
 
-def _f(value, digits=2, unit="") -> str:
-    """A table cell: blank where there is no value."""
-    return "" if value is None else f"{value:.{digits}f}{unit}"
+def fastest(rows: list[Row], row: Row, methods: tuple[str, ...]) -> float:
+    """The highest tokens/s of the rows of methods in row's group; 0 where there is none."""
+    group = (row.workload, row.temperature, row.clients)
+    speeds = [r.tokens_per_s for r in rows if r.method in methods and (r.workload, r.temperature, r.clients) == group]
+    return max(speeds, default=0.0)
 
 
 def speedup_band(row: Row, baseline: Row, draws: int = 2000) -> tuple[float, float] | None:
@@ -443,149 +566,6 @@ def speedup_band(row: Row, baseline: Row, draws: int = 2000) -> tuple[float, flo
     return ratios[int(0.05 * len(ratios))], ratios[int(0.95 * len(ratios)) - 1]
 
 
-def verdicts(records: list[dict]) -> str:
-    """One line per group of one client: the fastest speculative row against target-only and
-    against the faster transformers row, with its noise band and its decomposition."""
-    lines = []
-    groups = {(r["workload"], r["temperature"]) for r in records if r["clients"] == 1}
-    for workload, temperature in sorted(groups):
-        group = [r for r in records if (r["workload"], r["temperature"], r["clients"]) == (workload, temperature, 1)]
-        speculative = [r for r in group if r["method"] in SPECULATIVE and r.get("measured_speedup")]
-        if not speculative:
-            continue
-        best = max(speculative, key=lambda r: r["tokens_per_s"])  # the fastest of noisy rows: its band says how sure
-        band = best.get("speedup_band")
-        line = f"verdict: {workload}, T={temperature}: {best['label']} {best['measured_speedup']:.2f}x target-only"
-        if band:
-            line += f" (90% band {band[0]:.2f}-{band[1]:.2f} over the prompts)"
-        hf = [r["tokens_per_s"] for r in group if r["method"] == "hf_target" and r["tokens_per_s"]]
-        if hf:
-            line += f", {best['tokens_per_s'] / max(hf):.2f}x the faster transformers generate()"
-        if best.get("tau") is not None and best.get("c") is not None:
-            line += (f"; a round makes {best['tau']:.2f} tokens and costs {best['mean_k']:.1f} draft steps of "
-                     f"{best['c']:.3f}, a verify of {best['v']:.2f} and {best['h']:.2f} of overhead, in target steps "
-                     f"(predicted {best['predicted_speedup']:.2f}x)")  # fmt: skip
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def markdown(records: list[dict]) -> str:
-    """The results table, then where each row's rounds spent their time."""
-    lines = ["| workload | T | clients | method | tokens/s | vs none | TTFT p50 ms | ITL p50/p99 ms | alpha | tau | K "
-             "| c | v | h | predicted | bytes/round |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in records:
-        method = r["label"]
-        if r.get("drafted_rounds", 1) < 0.9:
-            method += f" ({r['drafted_rounds']:.0%} of rounds drafted)"
-        lines.append(
-            f"| {r['workload']} | {r['temperature']} | {r['clients']} | {method} | {r['tokens_per_s']:.1f} "
-            f"| {_f(r.get('measured_speedup'), unit='x')} | {_f(r.get('ttft_p50_ms'), 1)} | {_f(r.get('itl_p50_ms'), 1)}/{_f(r.get('itl_p99_ms'), 1)} "
-            f"| {_f(r.get('alpha'))} | {_f(r.get('tau'))} | {_f(r.get('mean_k'), 1)} | {_f(r.get('c'), 3)} | {_f(r.get('v'))} "
-            f"| {_f(r.get('h'))} | {_f(r.get('predicted_speedup'), unit='x')} | {_f(r.get('bytes_per_round'), 0)} |"
-        )
-    return "\n".join(lines) + "\n\n" + round_split(records)
-
-
-def round_split(records: list[dict]) -> str:
-    """ms per round of each stack row: drafting, the verify forward, the rest (decision,
-    bookkeeping, wire, gateway), and the K each round verified."""
-    lines = ["| workload | T | clients | method | target step ms | draft | verify forward | rest | round | rounds by K |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in records:
-        if r["method"] in ("hf_target", "hf_assisted") or not r.get("ms_per_round"):
-            continue
-        ms = r["ms_per_round"]
-        total = ms["draft_seconds"] + ms["verify_seconds"]
-        rest = total - ms["draft_server_seconds"] - ms["verify_forward_seconds"]
-        by_k = " ".join(f"{k}:{n}" for k, n in sorted(r.get("rounds_by_k", {}).items(), key=lambda kv: int(kv[0])))
-        lines.append(
-            f"| {r['workload']} | {r['temperature']} | {r['clients']} | {r['label']} | {_f(r.get('target_step_ms'))} "
-            f"| {ms['draft_server_seconds']:.2f} | {ms['verify_forward_seconds']:.2f} | {rest:.2f} | {total:.2f} | {by_k} |"
-        )
-    return "\n".join(lines)
-
-
-def plots(records: list[dict], out_dir: Path) -> None:
-    """speedup_vs_k.png, acceptance_by_position.png and latency_split.png in out_dir."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    _plot_speculation(records, out_dir, plt)
-    _plot_latency_split(records, out_dir, plt)
-
-
-def _plot_speculation(records: list[dict], out_dir: Path, plt) -> None:
-    """Speedup by K, and acceptance by draft position, of the one-client fixed-K rows."""
-    single = [r for r in records if r["clients"] == 1 and r["method"] == "draft_model" and not r["adaptive"]
-              and not r["pipeline"]]  # fmt: skip
-    groups = sorted({(r["workload"], r["temperature"]) for r in single})
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for workload, temperature in groups:
-        points = sorted(
-            (r["k"], r.get("measured_speedup", 0))
-            for r in single
-            if (r["workload"], r["temperature"]) == (workload, temperature)
-        )
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{workload}, T={temperature}")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(sorted({r["k"] for r in single}))  # the Ks measured, as integers
-    ax.set_title("Speedup against target-only by K (one client)")
-    ax.set_xlabel("K (draft tokens per round)")
-    ax.set_ylabel("speedup vs target-only (same run)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "speedup_vs_k.png", dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in single:
-        if r["k"] == max(x["k"] for x in single) and r["acceptance_by_position"]:
-            ax.plot(range(1, len(r["acceptance_by_position"]) + 1), r["acceptance_by_position"], marker="o",
-                    label=f"{r['workload']}, T={r['temperature']}")  # fmt: skip
-    ax.set_title("Acceptance by draft position (largest fixed K)")
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("fraction of rounds accepting it")
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "acceptance_by_position.png", dpi=120)
-    plt.close(fig)
-
-
-def _plot_latency_split(records: list[dict], out_dir: Path, plt) -> None:
-    """Where a round's time goes in each one-client stack row, per round and per token."""
-    stack_rows = [r for r in records if r["method"] not in ("hf_target", "hf_assisted") and r["clients"] == 1
-                  and r.get("rounds")]  # fmt: skip
-    fig, axes = plt.subplots(1, 2, figsize=(12, max(3, 0.35 * len(stack_rows))), sharey=True)
-    parts = [("drafting", lambda m: m["draft_server_seconds"]), ("target forward", lambda m: m["verify_forward_seconds"]),
-             ("decision", lambda m: m["verify_kernel_seconds"]),
-             ("wire, queues, bookkeeping", lambda m: m["draft_seconds"] + m["verify_seconds"] - m["draft_server_seconds"]
-              - m["verify_forward_seconds"] - m["verify_kernel_seconds"])]  # fmt: skip
-    # A round of speculation makes several tokens: per token is what a user waits for.
-    per_token = [r["rounds"] / max(1, r["completion_tokens"]) for r in stack_rows]
-    for ax, scale, title in ((axes[0], [1.0] * len(stack_rows), "ms per round"), (axes[1], per_token, "ms per token")):
-        for i, (name, value) in enumerate(parts):
-            widths = [value(r["ms_per_round"]) * f for r, f in zip(stack_rows, scale)]
-            lefts = [sum(p[1](r["ms_per_round"]) for p in parts[:i]) * f for r, f in zip(stack_rows, scale)]
-            ax.barh(range(len(stack_rows)), widths, left=lefts, label=name)
-        ax.set_title(title)
-        ax.set_xlabel(title)
-    axes[0].set_yticks(
-        range(len(stack_rows)),
-        [f"{r['workload']} T={r['temperature']} {r['label']} ({r['completion_tokens'] / r['rounds']:.1f} tokens/round)"
-         for r in stack_rows],
-        fontsize=7,
-    )  # fmt: skip
-    axes[1].legend(fontsize=8)
-    fig.suptitle("Where a round's time goes, one client")
-    fig.tight_layout()
-    fig.savefig(out_dir / "latency_split.png", dpi=120)
-    plt.close(fig)
-
-
 def start_stack(args, with_ports: bool = False):
     """`specserve up` on free loopback ports; returns (process, url) (and the ports)."""
     import socket
@@ -601,7 +581,7 @@ def start_stack(args, with_ports: bool = False):
     command = [sys.executable, "-m", "specserve.cli", "up", "--port", str(ports["gateway"]),
                "--draft-port", str(ports["draft"]), "--verify-port", str(ports["verify"]),
                "--draft-metrics-port", str(ports["draft_metrics"]), "--verify-metrics-port", str(ports["verify_metrics"]),
-               "--target", args.target, "--draft", args.draft, "--device", args.device,
+               "--target", args.target, "--draft", args.draft or "none", "--device", args.device,
                "--max-speculating-requests", getattr(args, "max_speculating_requests", "auto"),
                *(["--draft-service"] if draft_service else []),
                *(["--copy-min-ngram", str(args.copy_min_ngram)] if getattr(args, "copy_min_ngram", None) is not None
@@ -648,21 +628,24 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--url", help="a running gateway (its base URL); none: start the stack on --target/--draft")
-    parser.add_argument("--target", default=str(DEMO_TARGET), help="target model of a stack the bench starts")
-    parser.add_argument("--draft", default=str(DEMO_DRAFT), help="draft model of a stack the bench starts")
-    parser.add_argument("--medusa", default=None,
-                        help="a stack the bench starts: `specserve up --medusa` (default: the demo's heads with the demo target)")  # fmt: skip
-    parser.add_argument("--copy-min-ngram", type=int, default=None,
-                        help="a stack the bench starts: `specserve up --copy-min-ngram` (default: the services')")  # fmt: skip
-    parser.add_argument("--device", default="auto", help="device of a stack the bench starts")
     parser.add_argument(
-        "--max-speculating-requests",
-        default="auto",
-        help="of a stack the bench starts (`specserve up`'s): auto speculates on a CPU only while one request "
-        "runs; 0 always speculates",
+        "--target",
+        default=str(DEMO_TARGET),
+        help="target model of a stack the bench starts: a directory or a named model (smollm2)",
     )
-    parser.add_argument("--draft-service", action="store_true",
-                        help="a stack the bench starts drafts in a draft service of its own (`specserve up --draft-service`)")  # fmt: skip
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="draft model of a stack the bench starts and of the assistant-model row, or none: the target alone, "
+        "with no draft_model or hf_assisted rows (default: the demo draft with the demo target, else none)",
+    )
+    parser.add_argument(
+        "--no-stack",
+        dest="stack",
+        action="store_false",
+        help="start no stack and send nothing to one: the in-process rows only (transformers, llama.cpp)",
+    )
+    _add_stack_flags(parser)
     parser.add_argument(
         "--quick", action="store_true", help="code, T=0, K=4 and adaptive, one client: about a minute on the demo pair"
     )
@@ -685,10 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="clients at once")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")
-    parser.add_argument("--no-transformers", dest="transformers", action="store_false",
-                        help="skip the in-process transformers rows")  # fmt: skip
-    parser.add_argument("--hf-dtypes", nargs="+", default=["float32", "float16"], choices=["float32", "float16", "bfloat16"],
-                        help="dtypes of the transformers rows' models (hf_assisted: the first)")  # fmt: skip
+    _add_baseline_flags(parser)
     parser.add_argument(
         "--request",
         type=_request_fields,
@@ -699,6 +679,71 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--output", default="bench-results", help="directory for bench.json, bench.md and PNGs")
     return parser
+
+
+def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of a stack the bench starts, passed on to `specserve up`."""
+    parser.add_argument("--medusa", default=None,
+                        help="a stack the bench starts: `specserve up --medusa` (default: the demo's heads with the demo target)")  # fmt: skip
+    parser.add_argument("--copy-min-ngram", type=int, default=None,
+                        help="a stack the bench starts: `specserve up --copy-min-ngram` (default: the services')")  # fmt: skip
+    parser.add_argument("--device", default="auto", help="device of a stack the bench starts")
+    parser.add_argument(
+        "--max-speculating-requests",
+        default="auto",
+        help="of a stack the bench starts (`specserve up`'s): auto speculates on a CPU only while one request "
+        "runs; 0 always speculates",
+    )
+    parser.add_argument("--draft-service", action="store_true",
+                        help="a stack the bench starts drafts in a draft service of its own (`specserve up --draft-service`)")  # fmt: skip
+
+
+def _add_baseline_flags(parser: argparse.ArgumentParser) -> None:
+    """The in-process rows' flags: transformers' generate() and llama.cpp."""
+    parser.add_argument("--no-transformers", dest="transformers", action="store_false",
+                        help="skip the in-process transformers rows")  # fmt: skip
+    parser.add_argument(
+        "--llama-cpp",
+        metavar="GGUF_FILE",
+        help="add llama-cpp-python rows on this GGUF file of the target (its tokenizer: --target's)",
+    )
+    parser.add_argument("--llama-cpp-threads", type=int, default=2, help="n_threads of the llama.cpp rows")
+    parser.add_argument(
+        "--llama-cpp-lookup",
+        type=int,
+        default=10,
+        metavar="N",
+        help="a llama.cpp row with prompt-lookup drafting of up to N tokens a round (0: none)",
+    )
+    parser.add_argument("--hf-dtypes", nargs="+", default=["float32", "float16"], choices=["float32", "float16", "bfloat16"],
+                        help="dtypes of the transformers rows' models (hf_assisted: the first)")  # fmt: skip
+
+
+def check_local_rows(args) -> str:
+    """Why args' in-process rows cannot run ("" where they can); says, in a line, which rows a
+    target without a draft or an older llama-cpp-python leaves out."""
+    if not args.stack and args.url:
+        return "--no-stack sends nothing to --url: pass one or the other"
+    if not args.stack and not args.transformers and not args.llama_cpp:
+        return "--no-stack with --no-transformers and no --llama-cpp leaves no row to measure"
+    if args.transformers and not has_draft(args):
+        print("no draft: no transformers assistant-model (hf_assisted) row", file=sys.stderr)
+    if not args.llama_cpp:
+        return ""
+    if not Path(args.llama_cpp).is_file():
+        return f"--llama-cpp: no GGUF file at {args.llama_cpp}"
+    if args.llama_cpp_threads < 1 or args.llama_cpp_lookup < 0:
+        return "--llama-cpp-threads takes 1 or more, --llama-cpp-lookup 0 or more"
+    try:
+        lookup = prompt_lookup_class()
+    except ImportError:
+        return "--llama-cpp needs llama-cpp-python in this environment (pip install llama-cpp-python)"
+    except (OSError, RuntimeError) as error:  # installed, but its shared library does not load
+        return f"--llama-cpp: llama-cpp-python does not load: {error}"
+    if lookup is None and args.llama_cpp_lookup > 0:
+        print("this llama-cpp-python has no LlamaPromptLookupDecoding: no prompt-lookup row", file=sys.stderr)
+        args.llama_cpp_lookup = 0
+    return ""
 
 
 def _request_fields(text: str) -> dict:
@@ -714,6 +759,16 @@ def _request_fields(text: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:  # a named model (smollm2): its converted directory, which the in-process rows read too
+        args.target = resolve_model(args.target)
+    except ValueError as error:
+        print(f"specserve bench: {error}", file=sys.stderr)
+        return 2
+    args.draft = default_draft(args)
+    refused = check_local_rows(args)
+    if refused:
+        print(f"specserve bench: {refused}", file=sys.stderr)
+        return 2
     if args.quick:
         args.workloads, args.temperatures, args.k, args.concurrency = ["code"], [0.0], [4], [1]
         args.adaptive = True
@@ -725,7 +780,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.url is None:
             return 2
     args.row_keys = not args.url  # a stack it starts serves each row under an API key of its own
-    process, url, ports = (None, args.url, {}) if args.url else start_stack(args, with_ports=True)
+    if args.url or not args.stack:  # --no-stack: url None
+        process, url, ports = None, args.url, {}
+    else:
+        process, url, ports = start_stack(args, with_ports=True)
     try:
         records = results(
             run(args, url, ports.get("draft_metrics" if getattr(args, "draft_service", False) else "verify_metrics"))
@@ -742,8 +800,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     (out_dir / "bench.md").write_text(table + "\n")
     (out_dir / "bench.json").write_text(json.dumps({"args": vars(args), "rows": records}, indent=2))
-    plots(records, out_dir)
-    print(f"wrote {out_dir}/bench.json, bench.md, speedup_vs_k.png, acceptance_by_position.png, latency_split.png")
+    pictures = plots(records, out_dir)
+    print(f"wrote {out_dir}/{', '.join(['bench.json', 'bench.md', *pictures])}")
     return 0
 
 
