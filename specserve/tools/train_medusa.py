@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from specserve.medusa import MedusaConfig, MedusaHeads, save_heads
-from specserve.paths import DEMO_MODELS, DEMO_TARGET
+from specserve.model.gguf import NAMED_MODELS, resolve_model
+from specserve.paths import DEMO_MODELS, DEMO_TARGET, REPO_ROOT
 from specserve.tools import train_demo as recipe
 
 log = logging.getLogger("specserve.tools.train_medusa")
@@ -68,10 +69,13 @@ class MedusaRecipe:
 
 
 def read_texts(data: list[str]) -> tuple[list[str], list[str]]:
-    """(train, held-out) texts of the files under data (the standard library when empty)."""
+    """(train, held-out) texts of the files under data (the standard library when empty; the
+    installed packages' descriptions for PACKAGES)."""
     if not data:
         train, heldout = recipe.load_corpus(recipe.stdlib_root(), 0)
         return list(train.values()), list(heldout.values())
+    if data == [PACKAGES]:
+        return package_descriptions()
     train, heldout = [], []
     for entry in map(Path, data):
         if not entry.exists():
@@ -86,6 +90,26 @@ def read_texts(data: list[str]) -> tuple[list[str], list[str]]:
         raise SystemExit(f"--data {' '.join(data)}: no text files to train on")
     if not heldout and len(train) > 1:  # too few files for the rule to pick one: hold out the last
         heldout.append(train.pop())
+    return train, heldout
+
+
+PACKAGES = "packages"  # --data value: the installed packages' descriptions
+
+
+def package_descriptions() -> tuple[list[str], list[str]]:
+    """(train, held-out) descriptions of the installed Python packages (each distribution's
+    METADATA body: its README, mostly English prose with some code and lists), split by the
+    demo's held-out rule on the package's name. Text a package ships, for a target that is
+    not a code model (a chat model's heads learn its prose)."""
+    from importlib.metadata import distributions
+
+    train, heldout = [], []
+    for distribution in sorted(distributions(), key=lambda d: d.metadata["Name"] or ""):
+        body = distribution.metadata.get_payload() if hasattr(distribution.metadata, "get_payload") else ""
+        if isinstance(body, str) and len(body) > 200:
+            (heldout if recipe.is_heldout(distribution.metadata["Name"] or "") else train).append(body)
+    if not train:
+        raise SystemExit("the installed packages carry no descriptions to train on: give --data")
     return train, heldout
 
 
@@ -239,9 +263,19 @@ def run(args: argparse.Namespace) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve train-medusa", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    parser.add_argument("--target", default=str(DEMO_TARGET), help="the target model directory (Llama family)")
-    parser.add_argument("--out", default=str(DEMO_MODELS / "medusa"), help="where the heads go")
-    parser.add_argument("--data", nargs="*", default=[], help="text files or directories (none: the standard library)")
+    parser.add_argument(
+        "--target", default=str(DEMO_TARGET), help="the target model: a directory (Llama family) or a named model"
+    )
+    parser.add_argument(
+        "--out", default=None, help="where the heads go (default: models/demo/medusa, or models/NAME/medusa)"
+    )
+    parser.add_argument(
+        "--data",
+        nargs="*",
+        default=None,
+        help=f"text files or directories, or {PACKAGES} (the installed packages' descriptions) "
+        f"(default: the standard library for the demo target, else {PACKAGES})",
+    )
     parser.add_argument("--heads", type=int, default=4, help="heads: tokens t+2 .. t+heads+1")
     parser.add_argument("--tokens", type=int, default=2_000_000, help="tokens of target context to train on")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens a sequence")
@@ -263,8 +297,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--heads must lie in 1..16")
     if args.seq_len < args.heads + 3 or args.positions < 1 or args.batch < 1 or args.tokens < 1:
         raise SystemExit("--seq-len must exceed --heads + 2, and --positions, --batch and --tokens be >= 1")
+    named = args.target in NAMED_MODELS and not Path(args.target).exists()
+    if args.out is None:
+        args.out = str(REPO_ROOT / "models" / args.target / "medusa" if named else DEMO_MODELS / "medusa")
+    try:
+        args.target = resolve_model(args.target)
+    except ValueError as error:  # a named model whose package is missing
+        raise SystemExit(f"--target: {error}") from None
     if not (Path(args.target) / "config.json").is_file():
         raise SystemExit(f"--target {args.target}: no config.json there (a Hugging Face model directory)")
+    if args.data is None:
+        args.data = [] if Path(args.target).resolve() == DEMO_TARGET.resolve() else [PACKAGES]
     run(args)
     return 0
 
