@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from specserve.paths import DEMO_DRAFT, DEMO_MEDUSA, DEMO_TARGET, missing_tokenizer
+from specserve.paths import DEMO_DRAFT, DEMO_MEDUSA, DEMO_TARGET, REPO_ROOT, missing_tokenizer
 
 NO_DRAFT = ("", "none")  # --draft values that mean: serve without a draft model
 
@@ -58,10 +58,13 @@ EARLY_EXIT_FRACTION = 4  # another target drafts with its first quarter of layer
 
 def resolve_models(args: argparse.Namespace) -> str | None:
     """Sets args.target, args.draft and args.medusa to the directories served (a named target
-    converted first; the draft: the demo's with the demo target, else none, unless asked);
-    returns why they cannot be served, in one line, or None."""
-    from specserve.model.gguf import ModelNotFound, resolve_model
+    converted first; the draft: the demo's with the demo target, else none; the heads: the
+    demo's with the demo target, a named model's under models/NAME/medusa where the repository
+    ships them; unless asked); returns why they cannot be served, in one line, or None."""
+    from specserve.model.gguf import NAMED_MODELS, ModelNotFound, resolve_model
 
+    named = args.target in NAMED_MODELS and not Path(args.target).exists()
+    shipped = REPO_ROOT / "models" / args.target / "medusa" if named else None  # where the repository ships heads
     try:
         args.target = resolve_model(args.target)
         demo = _is_demo(args.target)
@@ -70,7 +73,8 @@ def resolve_models(args: argparse.Namespace) -> str | None:
     except (ModelNotFound, ValueError, OSError) as error:
         return f"specserve: {error}"
     if args.medusa is None:
-        args.medusa = str(DEMO_MEDUSA) if demo and (DEMO_MEDUSA / "config.json").is_file() else ""
+        heads = DEMO_MEDUSA if demo else shipped
+        args.medusa = str(heads) if heads is not None and (heads / "config.json").is_file() else ""
     roles = (("target", args.target), ("draft", args.draft)) if args.draft else (("target", args.target),)
     for role, path in roles:
         if not (Path(path) / "config.json").is_file():
@@ -125,7 +129,9 @@ def _service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     copy = [] if args.copy_min_ngram is None else ["--copy-min-ngram", str(args.copy_min_ngram)]
     early_exit = ["--early-exit-layers", str(early_exit_layers(args.target))]
     if not args.draft_service:
-        return {"verify": [*verify, *(["--draft-model", args.draft] if args.draft else []), *early_exit, *copy]}
+        # The verifier chooses another target's count from measured agreement (-1).
+        own_exit = early_exit if _is_demo(args.target) else ["--early-exit-layers", "-1"]
+        return {"verify": [*verify, *(["--draft-model", args.draft] if args.draft else []), *own_exit, *copy]}
     return {
         "verify": [*verify, *copy],
         "draft": [
@@ -232,7 +238,7 @@ def up(args: argparse.Namespace) -> int:
         url = f"http://{args.host}:{args.port}"
         if not _wait_healthy(url, processes, args.startup_timeout, stopping):
             return 0 if stopping["signal"] is not None else 1
-        _print_welcome(url)
+        _print_welcome(url, _is_demo(args.target))
         _supervise(commands, processes, stopping)
         return 0
     except KeyboardInterrupt:  # a Ctrl-C before the handler above was set
@@ -344,11 +350,17 @@ def _stop_all(processes: dict[str, subprocess.Popen]) -> None:
             process.wait()
 
 
-def _print_welcome(url: str) -> None:
+def _print_welcome(url: str, demo: bool) -> None:
+    """One request to try: the demo's code completion, or a chat message for another model."""
+    if demo:
+        request = f"{url}/v1/completions", '{"prompt": "def fibonacci(n):", "max_tokens": 64, "temperature": 0}'
+    else:
+        message = '{"role": "user", "content": "Why is the sky blue?"}'
+        request = f"{url}/v1/chat/completions", f'{{"messages": [{message}], "max_tokens": 96}}'
     print(
         f"\nspecserve is up: {url}\n\n"
-        f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
-        '    -d \'{"prompt": "def fibonacci(n):", "max_tokens": 64, "temperature": 0}\'\n\n'
+        f"  curl {request[0]} -H 'Content-Type: application/json' \\\n"
+        f"    -d '{request[1]}'\n\n"
         "Ctrl-C stops all the services.\n",
         flush=True,
     )

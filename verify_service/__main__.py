@@ -10,6 +10,7 @@ import time
 from specserve.config import parse_config, pin_to_cpus
 from specserve.drafting import Drafter, DraftOptions
 from specserve.medusa import load_heads
+from specserve.model.early_exit import choose_layers
 from specserve.model.loading import LoadedModel, load_for_service, load_tokenizer, tokenizer_fingerprint
 from specserve.model.runner import UnsupportedModel
 from specserve.serving.batching import Batcher
@@ -66,9 +67,10 @@ def colocated_drafting(config: VerifyConfig, target: LoadedModel, metrics: Servi
         models["draft_model"] = load_for_service(
             config, config.draft_model, row_invariant=False, compile_steps=config.compile_steps
         )
-    if config.early_exit_layers:
+    layers = early_exit_layers(config, target)
+    if layers:
         models["early_exit"] = load_for_service(
-            config, config.model, config.early_exit_layers, row_invariant=False, compile_steps=config.compile_steps
+            config, config.model, layers, row_invariant=False, compile_steps=config.compile_steps
         )
     options = DraftOptions.of(config, target)  # the target's vocabulary: drafts are verified against it
     drafter_metrics = ServiceMetrics("drafter", metrics.registry)
@@ -78,6 +80,17 @@ def colocated_drafting(config: VerifyConfig, target: LoadedModel, metrics: Servi
     every_round = {"all": True, "uncopied": False}.get(config.lookahead_window_rounds, target.device.type == "cuda")
     medusa = medusa_drafting(config, target)
     return LocalDrafting(drafter, config.max_speculative_tokens, medusa, lookahead, every_round)
+
+
+def early_exit_layers(config: VerifyConfig, target: LoadedModel) -> int:
+    """The first layers method early_exit drafts with: as configured, or (-1) the count that
+    measured agreement predicts pays best (specserve/model/early_exit.py)."""
+    if config.early_exit_layers >= 0:
+        return config.early_exit_layers
+    runner = getattr(target.backend, "runner", None)
+    if runner is None or runner.spec.num_layers < 2:
+        return 0  # early exit needs the runner, and a layer to leave out
+    return choose_layers(runner, target.tokenizer).layers
 
 
 def medusa_drafting(config: VerifyConfig, target: LoadedModel) -> MedusaDrafting | None:

@@ -46,7 +46,9 @@ class VerifyConfig(ServiceOptions):
         "draft_model then decode round after round inside the verifier, no call per round (empty: none)",
     )
     early_exit_layers: int = field(
-        0, "serve method early_exit here from the target's own first layers (0: not served here)"
+        0,
+        "serve method early_exit here from the target's own first layers (0: not served here; -1: as many as "
+        "measured agreement with the target predicts pay best, chosen at start)",
     )
     medusa: str = field(
         "",
@@ -90,7 +92,7 @@ class VerifyConfig(ServiceOptions):
         self.check_service()
         check(self.session_ttl_s > 0, "session_ttl_s must be > 0")
         check(self.max_support >= 1, "max_support must be >= 1")
-        check(self.early_exit_layers >= 0, "early_exit_layers must be >= 0")
+        check(self.early_exit_layers >= -1, "early_exit_layers must be >= 0, or -1 (chosen at start)")
         check(self.max_workers >= 4, "max_workers must be >= 4")
         check(
             self.lookahead_window_rounds in ("auto", "all", "uncopied"),
