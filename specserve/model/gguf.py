@@ -184,7 +184,7 @@ def _check_gguf_readers() -> None:
         raise ModelNotFound(f'reading a GGUF file needs {" and ".join(missing)}: pip install -e ".[smollm2]"')
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specserve convert-gguf",
         description="Convert a Llama-family GGUF file (or a named model: "
@@ -194,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("file", help="the GGUF file, or a named model")
     parser.add_argument("out", help="the directory to write (replaced if it exists)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the tensors written")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         source = named_gguf(args.file) if args.file in NAMED_MODELS and not Path(args.file).exists() else args.file
