@@ -9,8 +9,8 @@ A Pacing compares the tokens per second of the session's own rounds of its metho
 target-only round's (the process's measured one-token round) and, where the method's are
 fewer, runs target-only stretches, doubling while it does not pay, with a few rounds of the
 method between them to measure again, as the K chooser does for drafts. A new session
-starts from what the method's earlier sessions measured, so it does not pay to learn what
-they learnt. Which tokens come out is never at stake: a target-only round is exact too.
+starts from what the method's earlier sessions measured, and from their stretch, so it
+does not pay again to learn what they learnt. Which tokens come out is never at stake: a target-only round is exact too.
 """
 
 from __future__ import annotations
@@ -28,11 +28,14 @@ DECAY = 0.8  # a round's weight in the session's running rate fades by this with
 
 @dataclass
 class MethodRate:
-    """Decayed sums of a method's rounds' tokens and seconds: its tokens per second."""
+    """Decayed sums of a method's rounds' tokens and seconds (its tokens per second), and the
+    length of its next target-only stretch, which its sessions share: a new session that the
+    method does not pay for waits as long as the last one found it should."""
 
     tokens: float = 0.0
     seconds: float = 0.0
     rounds: float = 0.0
+    stretch: int = PROBE_STRETCH[0]
 
     def add(self, tokens: int, seconds: float, decay: float = DECAY) -> None:
         self.tokens = decay * self.tokens + tokens
@@ -47,7 +50,7 @@ class MethodRate:
         if self.rounds <= 0:
             return MethodRate()
         scale = rounds / self.rounds
-        return MethodRate(self.tokens * scale, self.seconds * scale, rounds)
+        return MethodRate(self.tokens * scale, self.seconds * scale, rounds, self.stretch)
 
 
 @dataclass
@@ -61,12 +64,11 @@ class Pacing:
     own: MethodRate = field(default_factory=MethodRate)
     probe_rounds: int = 0  # the method's rounds since the last target-only stretch
     target_only_left: int = 0
-    stretch: int = PROBE_STRETCH[0]
 
     def __post_init__(self) -> None:
         self.own = self.method.prior(PRIOR_ROUNDS)
-        if self._pays() is False:  # the method's earlier sessions found it does not pay
-            self._stretch_out()
+        if self._pays() is False:  # the method's earlier sessions found it does not pay: wait as they do
+            self.target_only_left = self.method.stretch
 
     def speculate(self) -> bool:
         """Whether the next round is the method's; False: a target-only one."""
@@ -88,7 +90,7 @@ class Pacing:
         if pays is None:  # a target-only round's cost is not measured yet: a couple to measure it
             self.target_only_left, self.probe_rounds = MEASURE_ROUNDS, 0
         elif pays:
-            self.stretch = PROBE_STRETCH[0]
+            self.method.stretch = PROBE_STRETCH[0]
         else:
             self._stretch_out()
 
@@ -102,6 +104,6 @@ class Pacing:
         return rate >= 1 / plain
 
     def _stretch_out(self) -> None:
-        self.target_only_left = self.stretch
-        self.stretch = min(2 * self.stretch, PROBE_STRETCH[1])
+        self.target_only_left = self.method.stretch
+        self.method.stretch = min(2 * self.method.stretch, PROBE_STRETCH[1])
         self.probe_rounds = 0

@@ -39,9 +39,11 @@ def test_a_method_that_pays_keeps_every_round():
 
 def test_a_new_session_starts_from_what_earlier_ones_measured():
     costs, shared = _costs(0.01), MethodRate()
-    _rounds(Pacing(costs, shared), 10, tokens=2, seconds=0.04)
+    _rounds(Pacing(costs, shared), 10, tokens=2, seconds=0.04)  # two stretches: the next is 4 times the first
+    assert shared.stretch == 4 * PROBE_STRETCH[0]
     late = Pacing(costs, shared)
     assert not late.speculate()  # no probe rounds first: the method's rate says it does not pay
+    assert late.target_only_left == shared.stretch  # and it waits as long as the last session would have
     assert Pacing(_costs(0.01), MethodRate()).speculate()
 
 

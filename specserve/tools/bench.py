@@ -131,7 +131,7 @@ class Row:
         if self.tree:
             label = f"{self.method} tree {self.tree}" + (" adaptive" if self.adaptive else "")
         if self.method == "lookahead":
-            label = f"lookahead W,N,G={self.lookahead or 'default'}"
+            label = f"lookahead W,N,G={self.lookahead or 'default'}" + (" paced" if self.adaptive else "")
         if self.method == "llama_cpp":
             label = "llama.cpp"
         if self.method == "llama_cpp_lookup":
@@ -366,11 +366,14 @@ def stack_rows(args, workload: str, temperature: float, clients: int) -> list[Ro
     rows += [Row(workload, temperature, clients, method, k) for method in chains for k in args.k]
     if "lookahead" in args.methods:  # its rounds are its shape's, not a K's
         rows += [Row(workload, temperature, clients, "lookahead", lookahead=shape) for shape in args.lookahead]
-    if args.adaptive:
+    if args.adaptive:  # what a request that does not say gets: a row per method
         min_p = args.adaptive_min_probability
-        rows.append(
-            Row(workload, temperature, clients, "draft_model", max(args.k), adaptive=True, min_draft_probability=min_p)
-        )
+        rows += [
+            Row(workload, temperature, clients, method, max(args.k), adaptive=True, min_draft_probability=min_p)
+            for method in chains
+        ]
+        if "lookahead" in args.methods:  # paced: target-only stretches where it does not pay
+            rows.append(Row(workload, temperature, clients, "lookahead", adaptive=True))
     if args.pipeline:
         rows += [Row(workload, temperature, clients, "draft_model", k, pipeline=True) for k in args.k]
     tree_methods = [m for m in args.methods if m in TREE_METHODS] or ["draft_model"]
@@ -655,7 +658,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--methods", nargs="+", default=["draft_model"], choices=SPECULATIVE, help="speculative methods"
     )
-    parser.add_argument("--adaptive", action="store_true", help="add a row with adaptive K (starting at the largest K)")
+    parser.add_argument(
+        "--adaptive", action="store_true", help="add a row per method with adaptive K (lookahead: paced)"
+    )
     parser.add_argument("--adaptive-min-probability", type=float, default=ADAPTIVE_MIN_PROBABILITY,
                         help="the adaptive row's min_draft_probability: drafting stops below it")  # fmt: skip
     parser.add_argument("--pipeline", action="store_true", help="add pipelined draft_model rows for each K")
