@@ -53,7 +53,7 @@ def service_environment() -> None:
 
 
 EARLY_EXIT_LAYERS = 2  # the demo target's first layers that method early_exit drafts with
-EARLY_EXIT_FRACTION = 4  # another target drafts with its first quarter of layers (at least 2)
+EARLY_EXIT_FRACTION = 4  # a draft service drafts another target with its first quarter of layers
 
 
 def resolve_models(args: argparse.Namespace) -> str | None:
@@ -93,8 +93,9 @@ def _is_demo(target: str) -> bool:
 
 
 def early_exit_layers(target: str) -> int:
-    """The target's first layers that method early_exit drafts with: the demo's 2, another's
-    first quarter (at least 2)."""
+    """The target's first layers that a draft service's early_exit drafts with: the demo's 2,
+    another's first quarter (at least 2). A verifier that drafts for itself chooses another
+    target's count from measured agreement instead (--early-exit-layers -1)."""
     if _is_demo(target):
         return EARLY_EXIT_LAYERS
     layers = int(json.loads((Path(target) / "config.json").read_text()).get("num_hidden_layers", 0))

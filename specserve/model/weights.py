@@ -83,14 +83,15 @@ class Weights:
         by default where the directory was converted from a GGUF file that held them in 4 bits
         (specserve/model/gguf.py) and the CPU can multiply them; the head then as the file
         held it (4 bits, 8 bits: Linear's int8, else 16)."""
-        why_not = int4_products_work(self.spec.hidden_size, self.device)
         if matmul_dtype == INT4:
+            why_not = int4_products_work(self.spec.hidden_size, self.device)
             if why_not:
                 raise UnsupportedModel(f"matmul_dtype int4: {why_not}")
             return True, 4
         layers, head = source_bits(directory)
         if matmul_dtype is not None or layers != 4:
             return False, 16
+        why_not = int4_products_work(self.spec.hidden_size, self.device)
         if why_not:
             log.info("the GGUF file's 4-bit matrices are multiplied in 16 bits here: %s", why_not)
             return False, 16
