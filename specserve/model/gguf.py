@@ -81,6 +81,17 @@ def resolve_model(name_or_dir: str) -> str:
     return str(out)
 
 
+def log_conversions() -> None:
+    """Shows this module's lines (a conversion's start, where it goes, how long it took) on
+    stderr, in a command that configures no logging of its own (`specserve up`, bench)."""
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("specserve: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 def named_gguf(name: str) -> Path:
     """The GGUF file a named model's package ships (found without importing the package,
     whose own imports are not needed here)."""

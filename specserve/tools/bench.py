@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from specserve.model.gguf import resolve_model
+from specserve.model.gguf import log_conversions, resolve_model
 from specserve.paths import DEMO_DRAFT, DEMO_TARGET
 from specserve.speculation import METHODS, TREE_METHODS
 from specserve.tools.baselines import (
@@ -764,6 +764,7 @@ def _request_fields(text: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    log_conversions()
     try:  # a named model (smollm2): its converted directory, which the in-process rows read too
         args.target = resolve_model(args.target)
     except ValueError as error:
