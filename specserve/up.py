@@ -61,11 +61,11 @@ def resolve_models(args: argparse.Namespace) -> str | None:
     converted first; the draft: the demo's with the demo target, else none; the heads: the
     demo's with the demo target, a named model's under models/NAME/medusa where the repository
     ships them; unless asked); returns why they cannot be served, in one line, or None."""
-    from specserve.model.gguf import NAMED_MODELS, ModelNotFound, log_conversions, resolve_model
+    from specserve.model.gguf import ModelNotFound, is_named, log_conversions, resolve_model
 
     log_conversions()
 
-    named = args.target in NAMED_MODELS and not Path(args.target).exists()
+    named = is_named(args.target)
     shipped = REPO_ROOT / "models" / args.target / "medusa" if named else None  # where the repository ships heads
     try:
         args.target = resolve_model(args.target)

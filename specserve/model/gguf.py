@@ -67,11 +67,15 @@ def cache_dir() -> Path:
     return Path(base) / "specserve"
 
 
+def is_named(name_or_path: str) -> bool:
+    """Whether name_or_path names a model of NAMED_MODELS: a path that exists is the user's own."""
+    return name_or_path in NAMED_MODELS and not Path(name_or_path).exists()
+
+
 def resolve_model(name_or_dir: str) -> str:
-    """A model directory for name_or_dir: the path itself where it is one (or is no model's
-    name), else the named model's converted directory, converting it first if need be."""
-    named = NAMED_MODELS.get(name_or_dir)
-    if named is None or (Path(name_or_dir) / "config.json").is_file():
+    """A model directory for name_or_dir: the path itself where it is no model's name (see
+    is_named), else the named model's converted directory, converting it first if need be."""
+    if not is_named(name_or_dir):
         return name_or_dir
     out = cache_dir() / "models" / name_or_dir
     source = named_gguf(name_or_dir)
@@ -212,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        source = named_gguf(args.file) if args.file in NAMED_MODELS and not Path(args.file).exists() else args.file
+        source = named_gguf(args.file) if is_named(args.file) else args.file
         out = convert_gguf(Path(source), Path(args.out), args.dtype)
     except (ModelNotFound, ValueError) as error:
         print(f"specserve convert-gguf: {error}", file=sys.stderr)

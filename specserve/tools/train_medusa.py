@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from specserve.medusa import MedusaConfig, MedusaHeads, save_heads
-from specserve.model.gguf import NAMED_MODELS, resolve_model
+from specserve.model.gguf import is_named, resolve_model
 from specserve.paths import DEMO_MODELS, DEMO_TARGET, REPO_ROOT
 from specserve.tools import train_demo as recipe
 
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--heads must lie in 1..16")
     if args.seq_len < args.heads + 3 or args.positions < 1 or args.batch < 1 or args.tokens < 1:
         raise SystemExit("--seq-len must exceed --heads + 2, and --positions, --batch and --tokens be >= 1")
-    named = args.target in NAMED_MODELS and not Path(args.target).exists()
+    named = is_named(args.target)
     if args.out is None:
         args.out = str(REPO_ROOT / "models" / args.target / "medusa" if named else DEMO_MODELS / "medusa")
     try:
