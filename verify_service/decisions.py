@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from specserve.logprobs import token_logprobs
-from specserve.sampling import processed_probs, tree_verify_noise, verify_noise
+from specserve.sampling import draw_noise, processed_probs, tree_verify_uniforms, verify_noise, verify_uniforms
 from specserve.trees import depths
 from specserve_kernels.rejection import greedy_verify, rejection_sample
 from specserve_kernels.tree import tree_rejection_sample
@@ -61,6 +61,10 @@ def decide_greedy(rows: list, device: torch.device) -> list[tuple[int, int]]:
 
 
 def decide_sampled(rows: list, device: torch.device) -> list[tuple[int, int]]:
+    """The rejection rule: on CUDA the Triton kernel over the batch; on the CPU each row's
+    accept tests at its drafts, then one draw at the position where they stop."""
+    if not rows[0].logits.is_cuda:
+        return [decide_sampled_row(row) for row in rows]
     probs = [processed_probs(row.logits, row.sampling) for row in rows]
     target_probs, drafts, num_draft = pad_rows(rows, probs, device)
     batch, k_max = drafts.shape
@@ -83,6 +87,37 @@ def decide_sampled(rows: list, device: torch.device) -> list[tuple[int, int]]:
         target_probs, drafts, num_draft, q_ids.to(device), q_probs.to(device), uniforms.to(device), noise
     )
     return unpack(output, num_accepted)
+
+
+def decide_sampled_row(row) -> tuple[int, int]:
+    """One row's rejection rule as kernels/rejection_reference.py decides it, with the same
+    arithmetic and randomness, but touching only what it needs: the target's probabilities
+    at the drafts, and Exp(1) noise at one position, the first rejected one (the recovered
+    token, from the residual) or the one after the last draft (the bonus token)."""
+    probs = processed_probs(row.logits, row.sampling)  # [K + 1, vocab]
+    k = len(row.drafts)
+    seed, first = row.sampling.seed, row.first_position
+    kept = k
+    if k:
+        drafts = torch.tensor(row.drafts, dtype=torch.long)
+        p_drafts = probs[torch.arange(k), drafts]
+        q_drafts = torch.tensor(
+            [dict(zip(d.token_ids, d.probs)).get(token, 0.0) for d, token in zip(row.distributions, row.drafts)],
+            dtype=torch.float32,
+        )
+        rejected = ~(verify_uniforms(seed, first, k) * q_drafts < p_drafts)
+        if bool(rejected.any()):
+            kept = int(rejected.int().argmax())
+    weights = probs[kept]
+    if kept < k:  # the residual max(0, p - q): q is sparse, so only its support changes
+        distribution = row.distributions[kept]
+        ids = torch.tensor(distribution.token_ids, dtype=torch.long)
+        residual = weights.clone()
+        residual[ids] = torch.clamp(weights[ids] - torch.tensor(distribution.probs, dtype=torch.float32), min=0.0)
+        if bool(residual.amax() > 0):  # else p and q are equal up to rounding: draw from p
+            weights = residual
+    noise = draw_noise(seed, first + kept, weights.shape[0], weights.device)
+    return kept, int(torch.argmax(weights / noise))
 
 
 def decide_tree_greedy(rows: list, device: torch.device) -> list[tuple[int, int]]:
@@ -116,26 +151,29 @@ def decide_tree_sampled(rows: list, device: torch.device) -> list[tuple[int, int
     q_ids = torch.full((len(rows), n_max, support), -1, dtype=torch.long)
     q_probs = torch.zeros(len(rows), n_max, support)
     uniforms = torch.zeros(len(rows), n_max)
-    noise = torch.ones(len(rows), d_max + 1, vocab, device=device)
     for b, row in enumerate(rows):
         n = len(row.parents)
         target[b, :n] = processed_probs(row.logits, row.sampling)
         parents[b, :n] = torch.tensor(row.parents)
         tokens[b, :n] = torch.tensor(row.feed)
-        row_uniforms, row_noise = tree_verify_noise(
-            row.sampling.seed, row.first_position, d_max, siblings_max, vocab, device
-        )
-        noise[b] = row_noise
+        row_uniforms = tree_verify_uniforms(row.sampling.seed, row.first_position, d_max, siblings_max)
         for node in range(1, n):
             distribution, parent = row.distributions[node - 1], row.parents[node]
             q_ids[b, parent, : len(distribution.token_ids)] = torch.tensor(distribution.token_ids)
             q_probs[b, parent, : len(distribution.probs)] = torch.tensor(distribution.probs)
             uniforms[b, node] = row_uniforms[node_depths[b][parent], ranks[b][node]]
     num_nodes = torch.tensor([len(row.parents) for row in rows])
-    output, num_accepted, path = tree_rejection_sample(
-        target, parents.to(device), tokens.to(device), num_nodes.to(device), q_ids.to(device), q_probs.to(device),
-        uniforms.to(device), noise,
-    )  # fmt: skip
+    args = [target, *(t.to(device) for t in (parents, tokens, num_nodes, q_ids, q_probs, uniforms))]
+    # The walk does not read the noise: on the CPU it runs once without, and the noise is
+    # drawn at the depth where each row's walk stopped (on CUDA drawing it all costs less).
+    noise = torch.ones(len(rows), d_max + 1, vocab, device=device)
+    depth_reached = [range(d_max + 1)] * len(rows)
+    if not target.is_cuda:
+        depth_reached = [[depth] for depth in tree_rejection_sample(*args, noise)[1].tolist()]
+    for b, row in enumerate(rows):
+        for depth in depth_reached[b]:
+            noise[b, depth] = draw_noise(row.sampling.seed, row.first_position + depth, vocab, device)
+    output, num_accepted, path = tree_rejection_sample(*args, noise)
     decisions = unpack(output, num_accepted)
     for row, nodes, (kept, _) in zip(rows, path.cpu().tolist(), decisions):
         row.path = nodes[:kept]
