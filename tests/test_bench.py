@@ -92,7 +92,7 @@ def test_llama_cpp_rows_come_with_one_client_and_a_target_alone_has_no_assistant
     assert (1, "llama.cpp") in labels and (1, "llama.cpp prompt lookup K=10") in labels
     assert not [row for row in rows if row.clients == 4 and row.method in bench.LOCAL]
     assert "hf_assisted" not in {row.method for row in rows}
-    assert {row.method for row in rows if row.clients == 4} == {"none", "draft_model"}
+    assert {row.method for row in rows if row.clients == 4} == {"none", "default", "draft_model"}
 
     only = ["--no-stack", "--no-transformers", "--llama-cpp-lookup", "0"]
     alone = bench.plan_rows(args_of(*only, "--llama-cpp", "m.gguf", *group))
@@ -149,7 +149,7 @@ def test_a_method_the_stack_does_not_serve_drops_its_rows_in_one_line(monkeypatc
     group = ["--concurrency", "1", "--temperatures", "0", "--workloads", "assistant"]
     args = args_of("--draft", "none", "--methods", "draft_model", "ngram", "--k", "2", "4", "--adaptive", *group)
     kept = bench.warm_up(args, "http://gateway", bench.plan_rows(args), "prompt")
-    assert {row.method for row in kept} == {"none", "ngram", "hf_target"}
+    assert {row.method for row in kept} == {"none", "default", "ngram", "hf_target"}
     said = capsys.readouterr().err.strip().splitlines()
     assert said == [f"skipping the draft_model rows: {message}"]
 
@@ -179,8 +179,62 @@ def test_the_bench_measures_a_stack_and_an_in_process_row_side_by_side(stack, mo
     fake = LlamaCpp({"llama_cpp": FakeLlama([10, 11])}, FakeTokenizer(), (EOS,))
     monkeypatch.setattr(bench.LocalRunners, "load", classmethod(lambda cls, args, prompts: cls(None, fake)))
     rows = bench.run(args, stack.url)
-    assert [(row.label, row.requests) for row in rows] == [("none", 2), ("ngram K=2", 2), ("llama.cpp", 2)]
+    labels = [(row.label, row.requests) for row in rows]
+    assert labels == [("none", 2), ("default", 2), ("ngram K=2", 2), ("llama.cpp", 2)]
     assert all(0 < row.completion_tokens <= 8 and row.wall_seconds > 0 for row in rows)
-    assert rows[2].completion_tokens == 8  # the fake never ends its answer
+    assert rows[3].completion_tokens == 8  # the fake never ends its answer
     records = {r["label"]: r for r in bench.results(rows)}
-    assert records["llama.cpp"]["measured_speedup"] == pytest.approx(rows[2].tokens_per_s / rows[0].tokens_per_s)
+    assert records["llama.cpp"]["measured_speedup"] == pytest.approx(rows[3].tokens_per_s / rows[0].tokens_per_s)
+
+
+def test_a_default_row_names_no_method_and_a_sampled_one_no_seed(monkeypatch):
+    """What a user sends: no speculation field; sampled without a seed, so the server may
+    choose each round's K by the load."""
+    sent = []
+
+    class Reply:
+        status_code = 200
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def iter_lines(self):
+            usage = {"completion_tokens": 1, "speculation": {}}
+            yield "data: " + json.dumps({"choices": [{"token_ids": [5]}], "usage": usage})
+
+    class Client:
+        def stream(self, method, url, json, headers, timeout):
+            sent.append(json)
+            return Reply()
+
+    for temperature in (0.0, 0.8):
+        bench.stream_one(Client(), "http://x", "def f():", bench.Row("code", temperature, 1, "default"), 4, 7)
+    assert "speculation" not in sent[0] and sent[0]["seed"] == 7
+    assert "speculation" not in sent[1] and "seed" not in sent[1]
+
+
+def test_the_load_table_and_plot_follow_each_row_over_the_clients(tmp_path):
+    from specserve.tools.bench_report import load_table, plots
+
+    rows = []
+    for clients, none_s, default_s in ((1, 10.0, 5.0), (4, 4.0, 4.0)):
+        for method, seconds in (("none", none_s), ("default", default_s)):
+            row = bench.Row("code", 0.8, clients, method, completion_tokens=100, wall_seconds=seconds)
+            row.request_rates = [100 / seconds / clients] * clients
+            row.itl = [0.01, 0.02, 0.03]
+            rows.append(row)
+    records = bench.results(rows)
+    table = load_table(records)
+    assert "| code | 0.8 | default | 4 | 25.0 | 1.00x | 6.2 |" in table
+    assert "| code | 0.8 | default | 1 | 20.0 | 2.00x | 20.0 |" in table
+    assert "throughput_vs_clients.png" in plots(records, tmp_path)
+    assert (tmp_path / "throughput_vs_clients.png").stat().st_size > 0
+
+
+def test_the_thirdparty_workload_continues_installed_packages_code():
+    prompts = bench.workload_prompts("thirdparty", 5)
+    assert len(prompts) == 5 and len(set(prompts)) == 5
+    assert all(isinstance(p, str) and p.count("\n") >= 10 for p in prompts)

@@ -50,7 +50,7 @@ from specserve.tools.baselines import (
 from specserve.tools.bench_report import markdown, plots, verdicts
 from specserve.trees import TreeShape
 
-WORKLOADS = ("code", "edit", "chat", "mixed", "template", "assistant")
+WORKLOADS = ("code", "thirdparty", "edit", "chat", "mixed", "template", "assistant")
 # Workload assistant: what people ask a general chat model, outside the demo's code domain.
 ASSISTANT_QUESTIONS = (
     "Explain why the sky is blue in a few sentences.",
@@ -74,16 +74,18 @@ ASSISTANT_QUESTIONS = (
 def workload_prompts(workload: str, count: int) -> list:
     """Prompts of a workload: strings for completions, message lists for chat (workloads chat
     and assistant, sent to /v1/chat/completions)."""
-    from specserve.tools.workloads import chat_prompts, code_completion_prompts, edit_prompts, template_prompts
+    from specserve.tools import workloads
 
     if workload == "code":
-        return code_completion_prompts(count)
+        return workloads.code_completion_prompts(count)
+    if workload == "thirdparty":  # code the demo never saw: installed packages'
+        return workloads.code_completion_prompts(count, sources=workloads.third_party_sources())
     if workload == "edit":
-        return edit_prompts(count)
+        return workloads.edit_prompts(count)
     if workload == "chat":
-        return chat_prompts(count)
+        return workloads.chat_prompts(count)
     if workload == "template":
-        return template_prompts(count)
+        return workloads.template_prompts(count)
     if workload == "assistant":
         return [[{"role": "user", "content": question}] for question in ASSISTANT_QUESTIONS[:count]]
     if workload == "mixed":  # the three interleaved: what one server sees from many users
@@ -100,7 +102,7 @@ class Row:
     workload: str
     temperature: float
     clients: int
-    method: str  # none, one of SPECULATIVE, or one of LOCAL
+    method: str  # none, default (requests that name no method), one of SPECULATIVE, or one of LOCAL
     k: int = 0  # draft tokens per round (llama_cpp_lookup: its num_pred_tokens)
     dtype: str = ""  # of the transformers rows' models
     adaptive: bool = False
@@ -114,6 +116,7 @@ class Row:
     wall_seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    request_rates: list[float] = field(default_factory=list)  # each request's tokens/s, from its start
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -192,6 +195,8 @@ def analyse(row: Row, baseline: Row | None) -> dict:
     out["itl_p50_ms"] = _pct(row.itl, 50) * 1000 if row.itl else None
     out["itl_p99_ms"] = _pct(row.itl, 99) * 1000 if row.itl else None
     out["bytes_per_round"] = row.timings.get("wire_bytes", 0.0) / row.rounds if row.rounds else None
+    if row.request_rates:
+        out["per_request_tokens_per_s"] = sum(row.request_rates) / len(row.request_rates)
     if baseline is None or not baseline.tokens_per_s:
         return out
     out["measured_speedup"] = row.tokens_per_s / baseline.tokens_per_s
@@ -256,6 +261,8 @@ def stream_one(
 ) -> tuple[dict, float, list[float], float]:
     """One streamed request: (usage, time to first token, per-token gaps after it, seconds)."""
     speculation = {"method": row.method, **({"num_speculative_tokens": row.k} if row.k else {})}
+    if row.method == "default":  # what the server does for a request that does not say
+        speculation = None
     if row.method in SPECULATIVE:
         speculation.update(
             adaptive=row.adaptive, pipeline=row.pipeline, min_draft_probability=row.min_draft_probability
@@ -268,8 +275,10 @@ def stream_one(
     body = {**row.request, "max_tokens": max_tokens, "temperature": row.temperature, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}, "return_timings": True, "return_token_ids": True,
             "speculation": speculation}  # fmt: skip
-    if row.adaptive and row.temperature > 0:
+    if (row.adaptive or row.method == "default") and row.temperature > 0:
         del body["seed"]  # a seeded sampled request keeps a fixed K: an adaptive row would not be one
+    if speculation is None:
+        del body["speculation"]
     path = "/v1/chat/completions" if isinstance(prompt, list) else "/v1/completions"
     body["messages" if isinstance(prompt, list) else "prompt"] = prompt
     started = time.perf_counter()
@@ -326,6 +335,7 @@ def run_stack_row(url: str, prompts: list, row: Row, max_tokens: int) -> None:
         row.add_usage(usage)
         row.ttft.append(ttft)
         row.itl.extend(gaps)
+        row.request_rates.append(usage["completion_tokens"] / seconds if seconds else 0.0)
         if row.clients == 1:  # one client: the sum of its request times
             row.wall_seconds += seconds
             row.samples.append((usage["completion_tokens"], seconds))
@@ -360,8 +370,9 @@ def plan_rows(args) -> list[Row]:
 
 
 def stack_rows(args, workload: str, temperature: float, clients: int) -> list[Row]:
-    """The rows of one group served by the stack: target-only, then the speculative ones."""
-    rows = [Row(workload, temperature, clients, "none")]
+    """The rows of one group served by the stack: target-only, requests that name no method
+    (what the server chooses, seeded when greedy only), then the speculative ones."""
+    rows = [Row(workload, temperature, clients, "none"), Row(workload, temperature, clients, "default")]
     chains = [method for method in args.methods if method != "lookahead"]
     rows += [Row(workload, temperature, clients, method, k) for method in chains for k in args.k]
     if "lookahead" in args.methods:  # its rounds are its shape's, not a K's

@@ -56,7 +56,24 @@ def markdown(records: list[dict]) -> str:
         cells += [_f(r.get("alpha")), _f(r.get("tau")), _f(r.get("mean_k"), 1), _f(r.get("c"), 3), _f(r.get("v"))]
         cells += [_f(r.get("h")), _f(r.get("predicted_speedup"), unit="x"), _f(r.get("bytes_per_round"), 0)]
         lines.append(_cells(cells))
-    return "\n".join(lines) + "\n\n" + round_split(records)
+    load = load_table(records)
+    return "\n".join(lines) + "\n\n" + round_split(records) + (f"\n\n{load}" if load else "")
+
+
+def load_table(records: list[dict]) -> str:
+    """Each stack row's throughput as the clients grow, where a run measured several counts:
+    total tokens/s (and against target-only at that count), a request's own tokens/s and the
+    inter-token latency a client saw."""
+    stack = [r for r in records if r["method"] not in LOCAL]
+    if len({r["clients"] for r in stack}) < 2:
+        return ""
+    header = "workload|T|method|clients|total tokens/s|vs none|a request's tokens/s|ITL p50 ms|ITL p99 ms".split("|")
+    lines = [_cells(header), "|" + "---|" * len(header)]
+    for r in sorted(stack, key=lambda r: (r["workload"], r["temperature"], r["label"], r["clients"])):
+        cells = [r["workload"], r["temperature"], r["label"], r["clients"], f"{r['tokens_per_s']:.1f}"]
+        cells += [_f(r.get("measured_speedup"), unit="x"), _f(r.get("per_request_tokens_per_s"), 1)]
+        lines.append(_cells([*cells, _f(r.get("itl_p50_ms"), 1), _f(r.get("itl_p99_ms"), 1)]))
+    return "\n".join(lines)
 
 
 def _cells(values) -> str:
@@ -90,7 +107,38 @@ def plots(records: list[dict], out_dir: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return _plot_speculation(records, out_dir, plt) + _plot_latency_split(records, out_dir, plt)
+    made = _plot_speculation(records, out_dir, plt) + _plot_latency_split(records, out_dir, plt)
+    return made + _plot_throughput(records, out_dir, plt)
+
+
+def _plot_throughput(records: list[dict], out_dir: Path, plt) -> list[str]:
+    """Total tokens/s against clients, a line per stack row, a panel per (workload, T), where
+    a run measured several client counts."""
+    stack = [r for r in records if r["method"] not in LOCAL]
+    groups = sorted({(r["workload"], r["temperature"]) for r in stack})
+    if len({r["clients"] for r in stack}) < 2 or not groups:
+        return []
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
+    for ax, (workload, temperature) in zip(axes[0], groups):
+        group = [r for r in stack if (r["workload"], r["temperature"]) == (workload, temperature)]
+        for label in dict.fromkeys(r["label"] for r in group):
+            points = sorted((r["clients"], r["tokens_per_s"]) for r in group if r["label"] == label)
+            ax.plot([c for c, _ in points], [t for _, t in points], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["clients"] for r in group}), [str(c) for c in sorted({r["clients"] for r in group})])
+        ax.set_title(f"{workload}, T={temperature}")
+        ax.set_xlabel("clients at once")
+        ax.set_ylabel("total tokens/s")
+        ax.legend(fontsize=7)
+    return _saved(fig, out_dir / "throughput_vs_clients.png", plt)
+
+
+def _saved(fig, path: Path, plt) -> list[str]:
+    """Writes fig to path and closes it: [its file name]."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path.name]
 
 
 def _plot_speculation(records: list[dict], out_dir: Path, plt) -> list[str]:

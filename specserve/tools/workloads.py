@@ -27,10 +27,34 @@ def heldout_sources(listing: Path = DEMO_MODELS / "heldout_files.txt") -> list[t
     return sources
 
 
-def code_completion_prompts(count: int, context_lines: int = 24) -> list[str]:
+# Third-party packages that every install of specserve has (its dependencies): code the demo
+# models never saw, in other hands' style, unlike the held-out standard-library files.
+THIRD_PARTY_PACKAGES = ("httpx", "grpc", "google.protobuf", "opentelemetry.sdk", "tqdm", "pydantic", "fastapi")
+
+
+def third_party_sources(min_lines: int = 120) -> list[tuple[str, str]]:
+    """(path under its package, source) of the installed THIRD_PARTY_PACKAGES' Python files of
+    at least min_lines lines, by package, then path."""
+    import importlib.util
+
+    sources = []
+    for package in THIRD_PARTY_PACKAGES:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(next(iter(spec.submodule_search_locations)))
+        for path in sorted(root.rglob("*.py")):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if text.count("\n") >= min_lines and "_pb2" not in path.name:
+                sources.append((f"{package}/{path.relative_to(root).as_posix()}", text))
+    return sources
+
+
+def code_completion_prompts(count: int, context_lines: int = 24, sources: list | None = None) -> list[str]:
     """count prompts, each the context_lines lines before a cut point inside a held-out file
-    (cut points spread evenly over each file, at line starts, never in the first lines)."""
-    sources = heldout_sources()
+    (or one of sources), cut points spread evenly over each file, at line starts, never in the
+    first lines."""
+    sources = heldout_sources() if sources is None else _spread(sources, count)
     per_file = max(1, -(-count // len(sources)))
     prompts: list[str] = []
     for _, text in sources:
