@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.replicas import DNS_SCHEME, ReplicaSet, Route, split_addresses
-from specserve.speculation import Shared
+from specserve.adaptive import Shared
 from specserve.trees import TreeShape
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2_grpc
 

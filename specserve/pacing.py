@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specserve.speculation import PROBE_STRETCH, RoundCosts
+from specserve.adaptive import PROBE_STRETCH, RoundCosts
 
 # Rounds of the method before its rate is judged (a lookahead window needs a few to fill), and
 # how many measured rounds a new session's prior counts as.

@@ -1,8 +1,8 @@
 """Pacing: a method whose rounds no K describes (lookahead) alternates with target-only rounds
 where its tokens per second are fewer, per session, from the process's measured costs."""
 
+from specserve.adaptive import PROBE_STRETCH, RoundCosts
 from specserve.pacing import MEASURE_ROUNDS, PROBE_ROUNDS, MethodRate, Pacing
-from specserve.speculation import PROBE_STRETCH, RoundCosts
 
 
 def _costs(target_only_s: float) -> RoundCosts:

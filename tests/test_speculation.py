@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from specserve.adaptive import PROBE_STRETCH, Acceptance, Batch, KChooser, RoundCosts, Shared
 from specserve.errors import InvalidArgument
-from specserve.speculation import PROBE_STRETCH, Acceptance, KChooser, RoundCosts, Shared, Speculation
+from specserve.speculation import Speculation
 
 ADAPTIVE = Speculation("draft_model", 4, adaptive=True, k_bounds=(0, 8))
 
@@ -139,11 +140,11 @@ def test_a_drafting_that_reads_more_than_a_round_made_is_not_counted_as_a_rounds
     from verify_service.local_drafts import SessionDrafts
 
     seen = []
-    chooser = SimpleNamespace(observe=lambda k, accepted, draft_s, verify_s, round_s, tree: seen.append(draft_s))
+    chooser = SimpleNamespace(observe=lambda k, accepted, draft_s, verify_s, round_s, tree, batch: seen.append(draft_s))
     drafts = SessionDrafts(speculation=None, draft=None, chooser=chooser)
     for k in (4, 4, 0, 0, 4, 4):
         outcome = SimpleNamespace(decided_ns=2, batch_started_ns=1, draft_seconds=5e-4 if k else 0.0,
-                                  num_draft_tokens=k, num_accepted=0)  # fmt: skip
+                                  num_draft_tokens=k, num_accepted=0, batch_sessions=0)  # fmt: skip
         drafts.observe(outcome, 1e-3)
     assert seen == [None, 5e-4, 0.0, None, None, 5e-4]
 
@@ -162,7 +163,7 @@ def test_a_tree_is_cut_to_what_max_tokens_leaves():
 def test_adaptive_takes_the_tree_where_it_gives_more_tokens_per_second(tree_tokens, tree_cost, chosen):
     """A tree is tried first; then it is taken while its measured tokens per second beat the
     best chain's, and tried again every TREE_PROBE_ROUNDS chain rounds."""
-    from specserve.speculation import TREE_PROBE_ROUNDS
+    from specserve.adaptive import TREE_PROBE_ROUNDS
     from specserve.trees import TreeShape
 
     shared = costs(draft_step=0.0002, verify_one=0.002, per_token=0.0002)
@@ -181,3 +182,35 @@ def test_adaptive_takes_the_tree_where_it_gives_more_tokens_per_second(tree_toke
         for _ in range(TREE_PROBE_ROUNDS):
             chooser.observe(choice.k, 2, 0.0008, 0.0028, 0.0036)
         assert chooser.next_round(100).tree == tree  # tried again
+
+
+def batched_costs(fixed: float, per_token: float, draft_step: float, sessions: int) -> Shared:
+    """Shared estimates as if measured by batches of 1 and of `sessions` sessions, each of
+    which drafted 0 or 4 tokens: a verify of n tokens costs fixed + per_token n (the weights'
+    pass, then each token's products), a drafting of 4 steps 4 (draft_step + per_token rows)."""
+    shared = Shared()
+    for batch_size in (1, sessions):
+        for k in (4, 0):  # the last measured, target-only rounds, are the usual share
+            tokens, drafted = batch_size * (k + 1), batch_size * k
+            verify = fixed + per_token * tokens
+            draft = k * (draft_step + per_token * batch_size) if k else None
+            for _ in range(30):
+                shared.costs.observe("draft_model", k, draft, verify, (draft or 0.0) + verify + 1e-4,
+                                     Batch(batch_size, tokens, drafted), 1 + k // 2)  # fmt: skip
+    return shared
+
+
+@pytest.mark.parametrize(
+    "per_token, drafts_under_load",
+    [(0.4e-3, False), (0.005e-3, True)],  # a CPU's products grow with the rows; a GPU's hardly
+)
+def test_under_load_k_pays_for_the_rows_it_adds_to_a_shared_verify(per_token, drafts_under_load):
+    """The same session, each draft kept about 0.6-0.8 of the time: alone it drafts; in a batch
+    of 16 target-only sessions it drafts only where the verify's and the drafting's costs
+    hardly grow with its rows (no table of batch sizes: the measured lines)."""
+    shared = batched_costs(fixed=5e-3, per_token=per_token, draft_step=0.3e-3, sessions=16)
+    chooser = KChooser(ADAPTIVE, shared)
+    for accepted in [4, 2, 0, 3, 1] * 8:  # each position kept about 0.6 of the rounds it is reached
+        chooser.acceptance.observe(4, accepted)
+    assert chooser.next_round(100, sessions=1).k >= 2
+    assert (chooser.next_round(100, sessions=16).k > 0) is drafts_under_load

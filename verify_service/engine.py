@@ -97,7 +97,7 @@ class Verifier:
             self._forward([row for _, row in rows])
             forwarded = time.time_ns()
             decisions = decide([row for _, row in rows], self.loaded.device)
-            timing = {"batch_started_ns": started, "forward_ended_ns": forwarded, "decided_ns": time.time_ns()}
+            timing = _timing([row for _, row in rows], started, forwarded)
         except BaseException:
             for _, row in rows:
                 if row.is_new:
@@ -227,7 +227,7 @@ class Verifier:
         wanted = []
         for job, row in speculative:
             room = min(job.max_tokens, self.loaded.max_context_length - len(row.session.tokens))
-            choice = row.session.drafts.next_round(room)
+            choice = row.session.drafts.next_round(room, sessions=len(rows))
             wanted.append((row.session.drafts, row.session.tokens, choice, row.sampling, row.session.hidden))
         proposals, timing = self.local.propose(wanted)
         for (_, row), proposal in zip(speculative, proposals):
@@ -378,3 +378,17 @@ class Verifier:
             tree=row.parents is not None,
             **logprobs_of(row, [*accepted, next_token]),
         )
+
+
+def _timing(rows: list[Row], started_ns: int, forwarded_ns: int) -> dict:
+    """A decided batch's times and make-up, as Outcome fields: the make-up is what the K choice
+    weighs a round's cost against."""
+    return {
+        "batch_started_ns": started_ns,
+        "forward_ended_ns": forwarded_ns,
+        "decided_ns": time.time_ns(),
+        "batch_sessions": len(rows),
+        "batch_tokens": sum(len(row.feed) for row in rows),
+        "batch_draft_tokens": sum(len(row.drafts) for row in rows),
+        "batch_prefill": any(row.is_prefill for row in rows),
+    }

@@ -92,6 +92,12 @@ class Outcome:
     batch_started_ns: int = 0
     forward_ended_ns: int = 0
     decided_ns: int = 0
+    # The batch's make-up, for the K choice (specserve/adaptive.py, Batch): its rows, the
+    # tokens its forward read, the draft tokens among them, and whether a prompt was read.
+    batch_sessions: int = 0
+    batch_tokens: int = 0
+    batch_draft_tokens: int = 0
+    batch_prefill: bool = False
 
     @property
     def draft_seconds(self) -> float:

@@ -17,13 +17,14 @@ import logging
 import time
 from dataclasses import dataclass
 
+from specserve.adaptive import Batch, KChooser, RoundChoice, Shared
 from specserve.drafting import Drafter, DraftJob, DraftSession, Proposal
 from specserve.errors import RequestError
 from specserve.logit_processing import NEUTRAL
 from specserve.lookahead import LookaheadSession, LookaheadShape
 from specserve.pacing import MethodRate, Pacing
 from specserve.serving.logs import RateLimitedLog
-from specserve.speculation import KChooser, RoundChoice, Shared, Speculation
+from specserve.speculation import Speculation
 from verify_service.medusa_drafts import MedusaDrafting
 
 log = logging.getLogger(__name__)
@@ -63,18 +64,28 @@ class SessionDrafts:
         self.drafted_rounds += outcome.num_draft_tokens > 0
         self.last_k = outcome.num_draft_tokens
         tree = self.tree_round and outcome.num_draft_tokens > 0
-        self.chooser.observe(outcome.num_draft_tokens, outcome.num_accepted, draft_s, verify_s, round_s, tree)
+        self.chooser.observe(
+            outcome.num_draft_tokens, outcome.num_accepted, draft_s, verify_s, round_s, tree, batch_of(outcome)
+        )
 
-    def next_round(self, remaining: int) -> RoundChoice:
-        """The round for a session that may make `remaining` more tokens: the chooser's, or
-        for lookahead candidates of N - 1 tokens (fewer near the end), every round."""
+    def next_round(self, remaining: int, sessions: int = 1) -> RoundChoice:
+        """The round for a session that may make `remaining` more tokens, in a batch of
+        `sessions`: the chooser's, or for lookahead candidates of N - 1 tokens (fewer near
+        the end), every round."""
         if self.lookahead is None:
-            return self.chooser.next_round(remaining)
+            return self.chooser.next_round(remaining, sessions)
         # Adaptive, lookahead rounds alternate with target-only ones where they do not pay.
         paced = self.speculation.adaptive and not self.pacing.speculate()
         k = 0 if paced else min(self.lookahead.shape.ngram - 1, max(0, remaining - 1))
         self.paced_round = k > 0
         return RoundChoice(k)
+
+
+def batch_of(outcome) -> Batch | None:
+    """The batch an Outcome's round ran in (None where the verifier did not say)."""
+    if not outcome.batch_sessions:
+        return None
+    return Batch(outcome.batch_sessions, outcome.batch_tokens, outcome.batch_draft_tokens, outcome.batch_prefill)
 
 
 @dataclass(frozen=True)
@@ -149,7 +160,7 @@ class LocalDrafting:
     def observe_target_only(self, outcome, round_s: float) -> None:
         """A target-only decode's token: what a round without drafts costs."""
         verify_s = (outcome.decided_ns - outcome.batch_started_ns) / 1e9
-        self.shared.costs.observe("none", 0, None, verify_s, round_s)
+        self.shared.costs.observe("none", 0, None, verify_s, round_s, batch_of(outcome), 1)
 
     def close(self, drafts: SessionDrafts | None, tokens: list[int] | None = None) -> None:
         """tokens: the session's whole sequence, its last round's tokens too (method suffix

@@ -1,0 +1,383 @@
+"""The choice of each round's K (and of whether to draft at all) from what the sessions of a
+process measure as they run.
+
+docs/design.md's model: a round of K draft tokens costs K draft steps, a verify of K + 1 tokens
+and the round's overhead (decision, bookkeeping, the wire), and yields E(K) tokens. KChooser
+picks each round's K, 0 (a target-only round) included, with the most expected tokens per
+second, so that speculation does not make a session slower than the target alone. The costs
+are RoundCosts, running estimates shared by the sessions of a process (they belong to the
+models and the machine); how often each draft position is accepted is the session's own,
+starting from its method's average. A session that stopped drafting tries again after a
+stretch of target-only tokens that doubles while drafts keep not paying.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specserve.speculation import Speculation
+from specserve.trees import TreeShape
+
+# Running estimates forget at these rates: costs change with the load, acceptance with the text.
+DECAY, ACCEPTANCE_DECAY = 0.9, 0.95
+# A session's acceptance starts as its method's average worth this many rounds; before any
+# is known, a position is taken to be kept half the time.
+PRIOR_WEIGHT, PRIOR_ACCEPTANCE = 10.0, 0.5
+SMOOTHING = 0.5  # rounds' worth of PRIOR_ACCEPTANCE in every rate: one rejection is not a rate of 0
+# Until two sizes are measured, a size's cost grows by this share of size 1's per unit: a
+# verify by about a CPU's per-token attention; a round's drafting by a draft step, the first
+# of which (a catch-up of the tokens just kept, weights evicted by the verify) costs double.
+PRIOR_SLOPE = {"verify": 0.05, "draft": 0.5}
+# Target-only tokens before drafting is tried again, doubling while drafts do not pay.
+PROBE_STRETCH = (4, 64)
+# A size's weight in the line through the sizes grows with its samples up to this, and fades by
+# this factor with each sample of any size: a size measured while slower does not bend it for good.
+MAX_POINT_WEIGHT, POINT_WEIGHT_DECAY = 20, 0.98
+
+
+class _Average:
+    """An exponentially weighted mean; None until the first sample."""
+
+    __slots__ = ("value", "decay")
+
+    def __init__(self, decay: float = DECAY) -> None:
+        self.value: float | None = None
+        self.decay = decay
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else self.decay * self.value + (1 - self.decay) * sample
+
+
+class _Line:
+    """A cost that grows with a size (tokens verified, draft tokens made): a running average
+    per size seen, and a least-squares line through them, each size weighted by how often
+    it was seen. A line, not the sizes' own averages: those are noisy, an unlucky size would
+    be avoided for good, and unseen sizes need a value too."""
+
+    def __init__(self, prior_slope: float):
+        self.prior_slope = prior_slope  # of size 1's cost per unit, while one size is known
+        self.averages: dict[int, _Average] = {}
+        self.counts: dict[int, float] = {}  # each size's weight (see POINT_WEIGHT_DECAY)
+        self._fit: tuple[float, float, float] | None = None  # (mean size, mean cost, slope); None: stale
+
+    def add(self, size: int, seconds: float) -> None:
+        self.averages.setdefault(size, _Average()).add(seconds)
+        for n in self.counts:  # sizes not measured lately fade: their costs may be stale
+            self.counts[n] *= POINT_WEIGHT_DECAY
+        self.counts[size] = min(self.counts.get(size, 0) + 1, MAX_POINT_WEIGHT)
+        self._fit = None  # fitted again when next asked
+
+    def at(self, size: int) -> float | None:
+        if not self.averages:
+            return None
+        if self._fit is None:
+            self._fit = self._line()
+        mean_n, mean_v, slope = self._fit
+        return max(0.0, mean_v + slope * (size - mean_n))
+
+    def _line(self) -> tuple[float, float, float]:
+        points = [(n, a.value, self.counts[n]) for n, a in self.averages.items()]
+        weight = sum(c for _, _, c in points)
+        mean_n = sum(n * c for n, _, c in points) / weight
+        mean_v = sum(v * c for _, v, c in points) / weight
+        spread = sum(c * (n - mean_n) ** 2 for n, _, c in points)
+        if spread > 0:
+            slope = max(0.0, sum(c * (n - mean_n) * (v - mean_v) for n, v, c in points) / spread)
+        else:  # one size: the prior slope, relative to size 1's cost
+            slope = mean_v * self.prior_slope / (1 + self.prior_slope * (mean_n - 1))
+        return mean_n, mean_v, slope
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The batch a round ran in, its own row included: its sessions, the tokens its forward
+    verified and the draft tokens drafted for it; prefill: a prompt was read in the same
+    forward (its time is no round's). None for a round alone (a draft service's)."""
+
+    sessions: int
+    tokens: int
+    draft_tokens: int
+    prefill: bool = False
+
+
+class RoundCosts:
+    """Running estimates (seconds) of round costs in one process, shared by its sessions: each
+    method's drafting by the draft tokens a batch makes, a verify by the tokens a batch
+    verifies (each session's K + 1), and the rest of a round, with and without drafts; and a
+    session's usual share of a batch (tokens verified, drafted and made), which is what the
+    other sessions of a batch add to a round's cost and yield."""
+
+    def __init__(self) -> None:
+        self.drafting: dict[str, _Line] = {}
+        self.verify = _Line(PRIOR_SLOPE["verify"])
+        self.overhead = {True: _Average(), False: _Average()}
+        self.share = {"tokens": _Average(), "draft_tokens": _Average(), "made": _Average()}
+
+    def observe(
+        self,
+        method: str,
+        k: int,
+        draft_s: float | None,
+        verify_s: float,
+        round_s: float,
+        batch: Batch | None = None,
+        made: int | None = None,
+    ) -> None:
+        """A round of k drafts of method, in batch (None: alone), that made `made` tokens;
+        draft_s None where its drafting was not a round's usual work (a new session's draft
+        reads its whole prompt first)."""
+        batch = batch or Batch(1, k + 1, k)
+        if k and draft_s is not None:
+            self.drafting.setdefault(method, _Line(PRIOR_SLOPE["draft"])).add(batch.draft_tokens, draft_s)
+        if not batch.prefill:
+            self.verify.add(batch.tokens, verify_s)
+            self.overhead[k > 0].add(max(0.0, round_s - (draft_s or 0.0) - verify_s))
+        self.share["tokens"].add(batch.tokens / batch.sessions)
+        self.share["draft_tokens"].add(batch.draft_tokens / batch.sessions)
+        if made is not None:
+            self.share["made"].add(made)
+
+    def verify_seconds(self, tokens: int) -> float | None:
+        return self.verify.at(tokens)
+
+    def others(self, sessions: int, key: str) -> float:
+        """What the other sessions of a batch of `sessions` add: tokens verified, draft tokens
+        or tokens made, at their usual share (before any is measured, a target-only round's)."""
+        usual = self.share[key].value
+        return (sessions - 1) * (usual if usual is not None else {"tokens": 1.0, "draft_tokens": 0.0, "made": 1.0}[key])
+
+    def round_seconds(self, method: str, k: int, sessions: int = 1) -> float | None:
+        """A round of k drafts of method (0: a target-only token) in a batch of `sessions`
+        sessions whose others draft and verify as usual; None until its parts are measured."""
+        verify = self.verify.at(self.others(sessions, "tokens") + k + 1)
+        drafted = self.others(sessions, "draft_tokens") + k
+        line = self.drafting.get(method)
+        if verify is None or (k and line is None):
+            return None
+        drafting = line.at(drafted) if line is not None and drafted > 0 else 0.0
+        overhead = self.overhead[k > 0].value
+        if overhead is None:
+            overhead = self.overhead[k == 0].value or 0.0
+        return drafting + verify + overhead
+
+
+class Acceptance:
+    """How often each draft position is kept once the ones before it were: decayed counts
+    per position (0 = the first draft)."""
+
+    def __init__(self, prior: Acceptance | None = None):
+        self.reached: list[float] = []  # rounds that drafted the position with every earlier one kept
+        self.kept: list[float] = []  # rounds that kept it
+        if prior is not None:  # the method's average, worth PRIOR_WEIGHT rounds
+            rates = [prior.rate(i) for i in range(len(prior.reached))]
+            self.reached = [PRIOR_WEIGHT] * len(rates)
+            self.kept = [PRIOR_WEIGHT * rate for rate in rates]
+
+    def rate(self, position: int) -> float:
+        """P(kept | every earlier draft kept); positions past the deepest one reached take its
+        rate."""
+        i = min(position, len(self.reached) - 1)
+        if i < 0 or self.reached[i] <= 0:
+            return PRIOR_ACCEPTANCE
+        return (self.kept[i] + SMOOTHING * PRIOR_ACCEPTANCE) / (self.reached[i] + SMOOTHING)
+
+    def expected_tokens(self, k: int) -> float:
+        """E(K): accepted drafts plus the recovered or bonus token."""
+        total, survive = 1.0, 1.0
+        for position in range(k):
+            survive *= self.rate(position)
+            total += survive
+        return total
+
+    def observe(self, k: int, num_accepted: int) -> None:
+        if k == 0:
+            return
+        self.reached = [r * ACCEPTANCE_DECAY for r in self.reached]
+        self.kept = [a * ACCEPTANCE_DECAY for a in self.kept]
+        reached = min(num_accepted + 1, k)
+        while len(self.reached) < reached:
+            self.reached.append(0.0)
+            self.kept.append(0.0)
+        for i in range(reached):
+            self.reached[i] += 1
+        for i in range(num_accepted):
+            self.kept[i] += 1
+
+
+@dataclass
+class Shared:
+    """What the sessions of one process learn together: the round costs, and each method's
+    acceptance (a chain's per position, a tree's as tokens per round)."""
+
+    costs: RoundCosts = field(default_factory=RoundCosts)
+    acceptance: dict[str, Acceptance] = field(default_factory=dict)
+    tree_tokens: dict[str, _Average] = field(default_factory=dict)
+
+    def method_acceptance(self, method: str) -> Acceptance:
+        return self.acceptance.setdefault(method, Acceptance())
+
+    def method_tree_tokens(self, method: str) -> _Average:
+        return self.tree_tokens.setdefault(method, _Average())
+
+
+@dataclass(frozen=True)
+class RoundChoice:
+    """What a round drafts: k draft tokens as a chain, or the tree (k its nodes); k = 0: none."""
+
+    k: int
+    tree: TreeShape | None = None
+
+
+# An adaptive session that speculates with a tree tries it again after this many chain rounds,
+# and its tokens per round are the method's average worth this many rounds at first.
+TREE_PROBE_ROUNDS, TREE_PRIOR_WEIGHT = 16, 4
+
+
+class KChooser:
+    """One session's K per round: fixed (not adaptive), or the K in its bounds with the most
+    expected tokens per second under the shared costs and the session's acceptance (see the
+    module docstring)."""
+
+    def __init__(self, speculation: Speculation, shared: Shared | None = None, max_k: int | None = None):
+        """shared: what this process's sessions learn together (a fresh one for a session
+        alone); max_k: the most draft tokens a round may verify (the service's limit)."""
+        max_k = max(speculation.k_bounds[1], speculation.num_speculative_tokens) if max_k is None else max_k
+        self.speculation = speculation
+        self.method = speculation.method
+        self.shared = shared or Shared()
+        self.acceptance = Acceptance(self.shared.method_acceptance(self.method))
+        self.low = min(speculation.k_bounds[0], max_k)
+        self.high = min(speculation.k_bounds[1], max_k)
+        self.start = min(speculation.num_speculative_tokens, max_k)
+        self._probe_in = 0  # target-only tokens left before drafts are tried again
+        self._probe_due = False  # the stretch is over: the next round drafts
+        self._stretch = PROBE_STRETCH[0]
+        self._at_least = 0  # after a round that kept every draft: one more than it had
+        self.tree_tokens = _Average(ACCEPTANCE_DECAY)  # a tree round's tokens, the session's own
+        self._tree_rounds = 0
+        self._since_tree = 0  # chain rounds since the last tree round
+        self.sessions = 1  # in the batch its next round runs in (next_round's)
+
+    def next_round(self, remaining: int, sessions: int = 1) -> RoundChoice:
+        """The next round of a session that may make `remaining` more tokens, in a batch of
+        `sessions` sessions: a chain of the next K, or the speculation's tree (cut to the depth
+        remaining allows). Adaptive, the tree is chosen when its measured tokens per second
+        beat the best chain's, and tried again every TREE_PROBE_ROUNDS chain rounds."""
+        self.sessions = sessions
+        tree = self.speculation.tree
+        if tree is None:
+            return RoundChoice(self.next_k(remaining))
+        cut = tree.within_depth(max(0, remaining - 1))
+        if cut is None:
+            return RoundChoice(0)
+        if not self.speculation.adaptive:
+            return RoundChoice(len(cut), cut)
+        k = self.next_k(remaining)
+        if k == 0 and self._probe_in > 0:  # drafting does not pay now: a target-only stretch
+            return RoundChoice(0)
+        shared = self.shared.method_tree_tokens(self.method).value
+        if shared is None or self._since_tree >= TREE_PROBE_ROUNDS:
+            return RoundChoice(len(cut), cut)
+        chain, tree_rate = self._rate(k, self.acceptance.expected_tokens(k)), self._tree_rate(cut, shared)
+        if tree_rate is not None and (chain is None or tree_rate >= chain):
+            return RoundChoice(len(cut), cut)
+        return RoundChoice(k)
+
+    def _rate(self, k: int, expected: float, method: str | None = None) -> float | None:
+        """The batch's expected tokens per second if this session drafts k (its others as
+        usual): with a batch of one, the session's own."""
+        costs = self.shared.costs
+        seconds = costs.round_seconds(method or self.method, k, self.sessions)
+        return (costs.others(self.sessions, "made") + expected) / seconds if seconds else None
+
+    def _tree_rate(self, tree: TreeShape, shared_tokens: float) -> float | None:
+        """A tree round's expected tokens per second: the session's tokens per tree round,
+        starting from the method's, over the tree rounds' measured cost."""
+        own, rounds = self.tree_tokens.value, self._tree_rounds
+        weight = min(rounds, TREE_PRIOR_WEIGHT * 4)
+        if own is None:
+            return self._rate(len(tree), shared_tokens, f"{self.method}/tree")
+        expected = (weight * own + TREE_PRIOR_WEIGHT * shared_tokens) / (weight + TREE_PRIOR_WEIGHT)
+        return self._rate(len(tree), expected, f"{self.method}/tree")
+
+    def next_k(self, remaining: int) -> int:
+        """K for the next round of a session that may make `remaining` more tokens."""
+        room = max(0, remaining - 1)
+        if not self.speculation.adaptive:
+            return min(self.start, room)
+        if self._probe_in > 0:
+            return 0
+        if self._probe_due:  # a round of drafts, to measure whether they pay again
+            self._probe_due = False
+            return self.best_k(room, lowest=1)
+        best = self.best_k(room, lowest=self._at_least)
+        if best == 0 and room > 0:
+            self._probe_in = self._stretch
+            self._stretch = min(2 * self._stretch, PROBE_STRETCH[1])
+        elif best > 0:
+            self._stretch = PROBE_STRETCH[0]
+        return best
+
+    def k_after_all_kept(self, k: int, remaining: int) -> int:
+        """The K the next round would get if this one keeps all its k drafts (what a
+        pipelined round drafts ahead for), without changing the choice's state."""
+        if not self.speculation.adaptive:
+            return min(self.start, max(0, remaining - 1))
+        return self.best_k(max(0, remaining - 1), lowest=k + 1)
+
+    @property
+    def target_only_tokens(self) -> int:
+        """Target-only tokens left before drafting is tried again (0: none are due)."""
+        return self._probe_in
+
+    def best_k(self, room: int, lowest: int = 0) -> int:
+        """The K in bounds (and at least lowest, at most room) with the most expected tokens
+        per second of the batch the round runs in (of the session, alone); the asked K, within
+        them, until the costs it needs are measured. In a batch a round's K pays for its own
+        drafting and the rows it adds to the shared verify, while the others' rounds and the
+        weights' one pass are paid anyway: a K that pays alone may not under load."""
+        high = min(self.high, room)
+        low = min(max(self.low, lowest), high)
+        costs = self.shared.costs
+        if costs.round_seconds(self.method, 1) is None or costs.round_seconds(self.method, 0) is None:
+            return max(low, min(self.start, high))  # K = 0's or drafts' costs not yet known
+        best, best_rate = low, -1.0
+        expected, survive = 1.0, 1.0  # E(K), and P(all of the first K kept)
+        for k in range(high + 1):
+            if k:
+                survive *= self.acceptance.rate(k - 1)
+                expected += survive
+            rate = self._rate(k, expected) if k >= low else None
+            if rate is not None and rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def observe(
+        self,
+        k: int,
+        num_accepted: int,
+        draft_s: float | None,
+        verify_s: float,
+        round_s: float,
+        tree: bool = False,
+        batch: Batch | None = None,
+    ) -> None:
+        """A round of k drafts (0: target-only, one token) kept num_accepted of them; draft_s
+        is its drafting (None: not a usual round's, see RoundCosts.observe), verify_s its
+        verify forward and decision, round_s all it took; tree: its drafts were a tree; batch:
+        the batch it ran in (None: alone)."""
+        if tree:
+            self.shared.costs.observe(f"{self.method}/tree", k, draft_s, verify_s, round_s, batch, num_accepted + 1)
+            self.tree_tokens.add(num_accepted + 1)
+            self.shared.method_tree_tokens(self.method).add(num_accepted + 1)
+            self._tree_rounds += 1
+            self._since_tree, self._at_least = 0, 0
+            return
+        self._since_tree += k > 0
+        if k == 0 and self._probe_in > 0:
+            self._probe_in -= 1
+            self._probe_due = self._probe_in == 0
+        self._at_least = k + 1 if k and num_accepted == k else 0
+        self.shared.costs.observe(self.method, k, draft_s, verify_s, round_s, batch, num_accepted + 1)
+        self.acceptance.observe(k, num_accepted)
+        self.shared.method_acceptance(self.method).observe(k, num_accepted)
