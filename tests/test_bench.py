@@ -238,3 +238,14 @@ def test_the_thirdparty_workload_continues_installed_packages_code():
     prompts = bench.workload_prompts("thirdparty", 5)
     assert len(prompts) == 5 and len(set(prompts)) == 5
     assert all(isinstance(p, str) and p.count("\n") >= 10 for p in prompts)
+
+
+def test_rows_with_several_clients_take_turns_block_by_block():
+    rows = [bench.Row("code", 0.8, clients, method) for clients in (4, 2) for method in ("none", "default")]
+    steps = bench.load_steps(rows, {"code": list("abcdefgh")})
+    assert [(row.clients, row.method, block) for row, block in steps[:4]] == [
+        (2, "none", ["a", "b"]), (2, "default", ["a", "b"]), (2, "none", ["c", "d"]), (2, "default", ["c", "d"]),
+    ]  # fmt: skip
+    assert [(row.method, "".join(block)) for row, block in steps if row.clients == 4] == [
+        ("none", "abcd"), ("default", "abcd"), ("none", "efgh"), ("default", "efgh"),
+    ]  # fmt: skip

@@ -433,11 +433,7 @@ def run(args, url: str | None, metrics_port: int | None = None) -> list[Row]:
     # Interleave: prompt by prompt, every row of a group gets its turn.
     steps = [(row, [p]) for i in range(args.prompts) for row in rows for p in [prompts[row.workload][i % len(prompts[row.workload])]]
              if row.clients == 1]  # fmt: skip
-    steps += [
-        (row, prompts[row.workload] * max(1, -(-row.clients // len(prompts[row.workload]))))
-        for row in rows
-        if row.clients > 1
-    ]
+    steps += load_steps([row for row in rows if row.clients > 1], prompts)
     for row, batch in tqdm(steps, desc="bench", unit="step", file=sys.stderr):
         if row.method in LOCAL:
             for sample in local.run(batch, row, args.max_tokens):
@@ -445,6 +441,22 @@ def run(args, url: str | None, metrics_port: int | None = None) -> list[Row]:
         else:
             run_stack_row(url, batch, row, args.max_tokens)
     return rows
+
+
+def load_steps(rows: list[Row], prompts: dict[str, list]) -> list[tuple[Row, list]]:
+    """The steps of the rows with several clients: each row's prompts (repeated to fill its
+    clients at least once) in blocks of one request per client, the rows of a client count
+    taking turns block by block, so that the machine's drift hits them alike."""
+    steps = []
+    for clients in sorted({row.clients for row in rows}):
+        group = [row for row in rows if row.clients == clients]
+        blocks = {}
+        for row in group:
+            asked = prompts[row.workload] * max(1, -(-clients // len(prompts[row.workload])))
+            blocks[id(row)] = [asked[i : i + clients] for i in range(0, len(asked), clients)]
+        for i in range(max(len(b) for b in blocks.values())):
+            steps += [(row, blocks[id(row)][i]) for row in group if i < len(blocks[id(row)])]
+    return steps
 
 
 def warm_up(args, url: str, rows: list[Row], prompt) -> list[Row]:
