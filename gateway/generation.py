@@ -157,7 +157,8 @@ class _Session:
             if remote
             else None
         )
-        self.chooser = KChooser(plan.speculation, backends.shared) if remote else None
+        sampled = not plan.sampling.is_greedy
+        self.chooser = KChooser(plan.speculation, backends.shared, sampled=sampled) if remote else None
         self.drafted_rounds = 0
         self.last_k = 0  # the K of the round before
         self.k = 0  # the next remote round's K

@@ -8,7 +8,8 @@ second, so that speculation does not make a session slower than the target alone
 are RoundCosts, running estimates shared by the sessions of a process (they belong to the
 models and the machine); how often each draft position is accepted is the session's own,
 starting from its method's average. A session that stopped drafting tries again after a
-stretch of target-only tokens that doubles while drafts keep not paying.
+stretch of target-only tokens that doubles while drafts keep not paying, the method's stretch
+shared by its sessions. In a batch the choice weighs the batch's tokens per second (KChooser.best_k).
 """
 
 from __future__ import annotations
@@ -92,26 +93,26 @@ class _Line:
 class Batch:
     """The batch a round ran in, its own row included: its sessions, the tokens its forward
     verified and the draft tokens drafted for it; prefill: a prompt was read in the same
-    forward (its time is no round's). None for a round alone (a draft service's)."""
+    forward (its time is no round's); started_ns: which batch (its sessions report it one
+    after another: its costs count once). None for a round alone (a draft service's)."""
 
     sessions: int
     tokens: int
     draft_tokens: int
     prefill: bool = False
+    started_ns: int = 0
 
 
 class RoundCosts:
     """Running estimates (seconds) of round costs in one process, shared by its sessions: each
-    method's drafting by the draft tokens a batch makes, a verify by the tokens a batch
-    verifies (each session's K + 1), and the rest of a round, with and without drafts; and a
-    session's usual share of a batch (tokens verified, drafted and made), which is what the
-    other sessions of a batch add to a round's cost and yield."""
+    method's drafting by the draft tokens a batch makes, a verify and the rest of a round (the
+    decision, bookkeeping, the wire) by the tokens a batch verifies (each session's K + 1)."""
 
     def __init__(self) -> None:
         self.drafting: dict[str, _Line] = {}
         self.verify = _Line(PRIOR_SLOPE["verify"])
-        self.overhead = {True: _Average(), False: _Average()}
-        self.share = {"tokens": _Average(), "draft_tokens": _Average(), "made": _Average()}
+        self.rest = _Line(0.0)
+        self._counted = (0, False)  # the last batch counted (its started_ns), and whether its drafting was
 
     def observe(
         self,
@@ -121,44 +122,34 @@ class RoundCosts:
         verify_s: float,
         round_s: float,
         batch: Batch | None = None,
-        made: int | None = None,
     ) -> None:
-        """A round of k drafts of method, in batch (None: alone), that made `made` tokens;
-        draft_s None where its drafting was not a round's usual work (a new session's draft
-        reads its whole prompt first)."""
+        """A round of k drafts of method, in batch (None: alone); draft_s None where its
+        drafting was not a round's usual work (a new session's draft reads its whole prompt
+        first)."""
         batch = batch or Batch(1, k + 1, k)
-        if k and draft_s is not None:
+        same = bool(batch.started_ns) and batch.started_ns == self._counted[0]  # its sessions report in turn
+        drafting_counted = same and self._counted[1]
+        if k and draft_s is not None and not drafting_counted:
             self.drafting.setdefault(method, _Line(PRIOR_SLOPE["draft"])).add(batch.draft_tokens, draft_s)
-        if not batch.prefill:
-            self.verify.add(batch.tokens, verify_s)
-            self.overhead[k > 0].add(max(0.0, round_s - (draft_s or 0.0) - verify_s))
-        self.share["tokens"].add(batch.tokens / batch.sessions)
-        self.share["draft_tokens"].add(batch.draft_tokens / batch.sessions)
-        if made is not None:
-            self.share["made"].add(made)
+            drafting_counted = True
+        self._counted = (batch.started_ns, drafting_counted)
+        if batch.prefill or same:  # a prompt's time, or a batch that another of its sessions counted
+            return
+        self.verify.add(batch.tokens, verify_s)
+        self.rest.add(batch.tokens, max(0.0, round_s - (draft_s or 0.0) - verify_s))
 
     def verify_seconds(self, tokens: int) -> float | None:
         return self.verify.at(tokens)
 
-    def others(self, sessions: int, key: str) -> float:
-        """What the other sessions of a batch of `sessions` add: tokens verified, draft tokens
-        or tokens made, at their usual share (before any is measured, a target-only round's)."""
-        usual = self.share[key].value
-        return (sessions - 1) * (usual if usual is not None else {"tokens": 1.0, "draft_tokens": 0.0, "made": 1.0}[key])
-
     def round_seconds(self, method: str, k: int, sessions: int = 1) -> float | None:
-        """A round of k drafts of method (0: a target-only token) in a batch of `sessions`
-        sessions whose others draft and verify as usual; None until its parts are measured."""
-        verify = self.verify.at(self.others(sessions, "tokens") + k + 1)
-        drafted = self.others(sessions, "draft_tokens") + k
-        line = self.drafting.get(method)
+        """A round of k drafts of method (0: a target-only token) for each of a batch's
+        `sessions` sessions; None until its parts are measured."""
+        tokens, drafted = sessions * (k + 1), sessions * k
+        verify, line = self.verify.at(tokens), self.drafting.get(method)
         if verify is None or (k and line is None):
             return None
-        drafting = line.at(drafted) if line is not None and drafted > 0 else 0.0
-        overhead = self.overhead[k > 0].value
-        if overhead is None:
-            overhead = self.overhead[k == 0].value or 0.0
-        return drafting + verify + overhead
+        drafting = line.at(drafted) if k else 0.0
+        return drafting + verify + (self.rest.at(tokens) or 0.0)
 
 
 class Acceptance:
@@ -206,12 +197,15 @@ class Acceptance:
 
 @dataclass
 class Shared:
-    """What the sessions of one process learn together: the round costs, and each method's
-    acceptance (a chain's per position, a tree's as tokens per round)."""
+    """What the sessions of one process learn together: the round costs, each method's
+    acceptance (a chain's per position, a tree's as tokens per round), and each method's
+    target-only stretch (how long its sessions wait before drafting again: a new session
+    starts with what the others found, not with a probe of its own every few tokens)."""
 
     costs: RoundCosts = field(default_factory=RoundCosts)
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
     tree_tokens: dict[str, _Average] = field(default_factory=dict)
+    stretches: dict[str, int] = field(default_factory=dict)
 
     def method_acceptance(self, method: str) -> Acceptance:
         return self.acceptance.setdefault(method, Acceptance())
@@ -238,12 +232,18 @@ class KChooser:
     expected tokens per second under the shared costs and the session's acceptance (see the
     module docstring)."""
 
-    def __init__(self, speculation: Speculation, shared: Shared | None = None, max_k: int | None = None):
+    def __init__(
+        self, speculation: Speculation, shared: Shared | None = None, max_k: int | None = None, sampled: bool = False
+    ):
         """shared: what this process's sessions learn together (a fresh one for a session
-        alone); max_k: the most draft tokens a round may verify (the service's limit)."""
+        alone); max_k: the most draft tokens a round may verify (the service's limit); sampled:
+        the session samples. Greedy and sampled sessions of a method learn apart: a sampled
+        draft is kept less often and costs more to draw, and where drafts do not pay sampled
+        they may greedy."""
         max_k = max(speculation.k_bounds[1], speculation.num_speculative_tokens) if max_k is None else max_k
         self.speculation = speculation
-        self.method = speculation.method
+        self.method = f"{speculation.method}/sampled" if sampled else speculation.method  # its key in shared
+        self.sampled = sampled
         self.shared = shared or Shared()
         self.acceptance = Acceptance(self.shared.method_acceptance(self.method))
         self.low = min(speculation.k_bounds[0], max_k)
@@ -251,7 +251,6 @@ class KChooser:
         self.start = min(speculation.num_speculative_tokens, max_k)
         self._probe_in = 0  # target-only tokens left before drafts are tried again
         self._probe_due = False  # the stretch is over: the next round drafts
-        self._stretch = PROBE_STRETCH[0]
         self._at_least = 0  # after a round that kept every draft: one more than it had
         self.tree_tokens = _Average(ACCEPTANCE_DECAY)  # a tree round's tokens, the session's own
         self._tree_rounds = 0
@@ -284,11 +283,10 @@ class KChooser:
         return RoundChoice(k)
 
     def _rate(self, k: int, expected: float, method: str | None = None) -> float | None:
-        """The batch's expected tokens per second if this session drafts k (its others as
-        usual): with a batch of one, the session's own."""
-        costs = self.shared.costs
-        seconds = costs.round_seconds(method or self.method, k, self.sessions)
-        return (costs.others(self.sessions, "made") + expected) / seconds if seconds else None
+        """The batch's expected tokens per second if each of its sessions drafted k and kept
+        what this one keeps: with a batch of one, the session's own."""
+        seconds = self.shared.costs.round_seconds(method or self.method, k, self.sessions)
+        return self.sessions * expected / seconds if seconds else None
 
     def _tree_rate(self, tree: TreeShape, shared_tokens: float) -> float | None:
         """A tree round's expected tokens per second: the session's tokens per tree round,
@@ -310,12 +308,15 @@ class KChooser:
         if self._probe_due:  # a round of drafts, to measure whether they pay again
             self._probe_due = False
             return self.best_k(room, lowest=1)
-        best = self.best_k(room, lowest=self._at_least)
+        best = self.best_k(room)
+        if best > 0 and self._at_least > best:  # drafts pay: after all were kept, at least one more
+            best = self.best_k(room, lowest=self._at_least)
         if best == 0 and room > 0:
-            self._probe_in = self._stretch
-            self._stretch = min(2 * self._stretch, PROBE_STRETCH[1])
+            stretch = self.shared.stretches.get(self.method, PROBE_STRETCH[0])
+            self._probe_in = stretch
+            self.shared.stretches[self.method] = min(2 * stretch, PROBE_STRETCH[1])
         elif best > 0:
-            self._stretch = PROBE_STRETCH[0]
+            self.shared.stretches[self.method] = PROBE_STRETCH[0]
         return best
 
     def k_after_all_kept(self, k: int, remaining: int) -> int:
@@ -332,10 +333,12 @@ class KChooser:
 
     def best_k(self, room: int, lowest: int = 0) -> int:
         """The K in bounds (and at least lowest, at most room) with the most expected tokens
-        per second of the batch the round runs in (of the session, alone); the asked K, within
-        them, until the costs it needs are measured. In a batch a round's K pays for its own
-        drafting and the rows it adds to the shared verify, while the others' rounds and the
-        weights' one pass are paid anyway: a K that pays alone may not under load."""
+        per second of the batch the round runs in, were each of its sessions to draft K (of
+        the session, alone); the asked K, within them, until the costs it needs are measured.
+        A batch's K pays for all its rows in the shared verify and all its drafting, against
+        one pass of the weights: a K that pays alone may not under load. (Each session
+        weighing only its own rows, with the others' drafting taken as paid, would keep them
+        all drafting where none drafting is faster.)"""
         high = min(self.high, room)
         low = min(max(self.low, lowest), high)
         costs = self.shared.costs
@@ -367,7 +370,7 @@ class KChooser:
         verify forward and decision, round_s all it took; tree: its drafts were a tree; batch:
         the batch it ran in (None: alone)."""
         if tree:
-            self.shared.costs.observe(f"{self.method}/tree", k, draft_s, verify_s, round_s, batch, num_accepted + 1)
+            self.shared.costs.observe(f"{self.method}/tree", k, draft_s, verify_s, round_s, batch)
             self.tree_tokens.add(num_accepted + 1)
             self.shared.method_tree_tokens(self.method).add(num_accepted + 1)
             self._tree_rounds += 1
@@ -378,6 +381,6 @@ class KChooser:
             self._probe_in -= 1
             self._probe_due = self._probe_in == 0
         self._at_least = k + 1 if k and num_accepted == k else 0
-        self.shared.costs.observe(self.method, k, draft_s, verify_s, round_s, batch, num_accepted + 1)
+        self.shared.costs.observe(self.method, k, draft_s, verify_s, round_s, batch)
         self.acceptance.observe(k, num_accepted)
         self.shared.method_acceptance(self.method).observe(k, num_accepted)

@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
         "--max-speculating-requests",
         default="auto",
         help="the gateway speculates only while at most this many requests run, 0 always (default auto: "
-        f"{CPU_MAX_SPECULATING_REQUESTS} when the models run on the CPU, else 0)",
+        f"{CPU_MAX_SPECULATING_REQUESTS} with --draft-service on the CPU, else 0: the verifier's choice of K "
+        "weighs the batch)",
     )
     up_parser.add_argument(
         "--copy-min-ngram",

@@ -184,19 +184,22 @@ def _gateway_command(args: argparse.Namespace) -> list[str]:
         draft_address,
         "--verify-address",
         f"127.0.0.1:{args.verify_port}",
-        *_speculation_limit(args.max_speculating_requests, args.device),
+        *_speculation_limit(args.max_speculating_requests, args.device, args.draft_service),
         *defaults,
         *(["--trace-console"] if args.trace_console else []),
     ]
 
 
-def _speculation_limit(asked: str, device: str) -> list[str]:
+def _speculation_limit(asked: str, device: str, draft_service: bool) -> list[str]:
     """The gateway's --max-speculating-requests flag for `up --max-speculating-requests asked`:
-    auto is CPU_MAX_SPECULATING_REQUESTS for models on the CPU, and no flag otherwise (the
-    gateway's own default, or SPECSERVE_GATEWAY_MAX_SPECULATING_REQUESTS where that is set)."""
+    auto is CPU_MAX_SPECULATING_REQUESTS where a draft service drafts for models on the CPU,
+    and no flag otherwise (the gateway's own default, or SPECSERVE_GATEWAY_MAX_SPECULATING_REQUESTS
+    where that is set). Where the verifier drafts for itself, its choice of K sees the batch
+    and stops drafting where drafts do not pay for their rows (docs/design.md, "Choosing K");
+    the gateway's choice for a draft service's rounds does not see the verifier's batch."""
     if asked != "auto":
         return ["--max-speculating-requests", asked]
-    if os.environ.get("SPECSERVE_GATEWAY_MAX_SPECULATING_REQUESTS") or not _on_cpu(device):
+    if os.environ.get("SPECSERVE_GATEWAY_MAX_SPECULATING_REQUESTS") or not draft_service or not _on_cpu(device):
         return []
     return ["--max-speculating-requests", str(CPU_MAX_SPECULATING_REQUESTS)]
 

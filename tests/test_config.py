@@ -55,7 +55,7 @@ def test_cpus_take_taskset_lists_and_refuse_what_this_process_cannot_use(capsys)
     assert "cpus: '0-x'" in capsys.readouterr().err
 
 
-def test_up_limits_speculation_to_one_request_on_the_cpu_unless_told(monkeypatch, capsys):
+def test_up_limits_a_draft_services_speculation_to_one_request_on_the_cpu_unless_told(monkeypatch, capsys):
     from specserve import cli, up
 
     def gateway_flags(*argv: str) -> list[str]:
@@ -65,10 +65,12 @@ def test_up_limits_speculation_to_one_request_on_the_cpu_unless_told(monkeypatch
         return command[command.index("--verify-address") + 2 :]
 
     monkeypatch.delenv("SPECSERVE_GATEWAY_MAX_SPECULATING_REQUESTS", raising=False)
-    assert gateway_flags("--device", "cpu") == ["--max-speculating-requests", str(up.CPU_MAX_SPECULATING_REQUESTS)]
-    assert gateway_flags("--device", "cuda:0") == []
+    limit = ["--max-speculating-requests", str(up.CPU_MAX_SPECULATING_REQUESTS)]
+    assert gateway_flags("--device", "cpu", "--draft-service") == limit
+    assert gateway_flags("--device", "cpu") == []  # the verifier drafts: its K choice weighs the batch
+    assert gateway_flags("--device", "cuda:0", "--draft-service") == []
     assert gateway_flags("--device", "cpu", "--max-speculating-requests", "0") == ["--max-speculating-requests", "0"]
     monkeypatch.setenv("SPECSERVE_GATEWAY_MAX_SPECULATING_REQUESTS", "4")
-    assert gateway_flags("--device", "cpu") == []  # the gateway reads the variable itself
+    assert gateway_flags("--device", "cpu", "--draft-service") == []  # the gateway reads the variable itself
     assert up.up(cli._parser().parse_args(["up", "--max-speculating-requests", "many"])) == 2
     assert "takes auto or a count" in capsys.readouterr().err

@@ -66,8 +66,10 @@ def test_greedy_speculative_equals_target_only_and_transformers(request, stack_n
         assert reference == target_greedy(model, prompt, 40)
 
 
-def test_a_cpu_stack_speculates_while_one_request_runs_and_stays_exact_beyond(stack):
-    """`specserve up` on the CPU passes the gateway --max-speculating-requests 1."""
+def test_a_cpu_stack_speculates_while_one_request_runs_and_stays_exact_beyond(split_stack):
+    """`specserve up --draft-service` on the CPU passes the gateway --max-speculating-requests 1
+    (the verifier that drafts for itself weighs its batch instead: tests/test_speculation.py)."""
+    stack = split_stack
 
     def run(prompt, **body):  # a fixed K: whether a round drafts is the load's doing alone
         body = {"temperature": 0, "speculation": {"adaptive": False}, **body}

@@ -190,13 +190,13 @@ def batched_costs(fixed: float, per_token: float, draft_step: float, sessions: i
     pass, then each token's products), a drafting of 4 steps 4 (draft_step + per_token rows)."""
     shared = Shared()
     for batch_size in (1, sessions):
-        for k in (4, 0):  # the last measured, target-only rounds, are the usual share
+        for k in (4, 0):
             tokens, drafted = batch_size * (k + 1), batch_size * k
             verify = fixed + per_token * tokens
             draft = k * (draft_step + per_token * batch_size) if k else None
             for _ in range(30):
                 shared.costs.observe("draft_model", k, draft, verify, (draft or 0.0) + verify + 1e-4,
-                                     Batch(batch_size, tokens, drafted), 1 + k // 2)  # fmt: skip
+                                     Batch(batch_size, tokens, drafted))  # fmt: skip
     return shared
 
 
@@ -205,12 +205,52 @@ def batched_costs(fixed: float, per_token: float, draft_step: float, sessions: i
     [(0.4e-3, False), (0.005e-3, True)],  # a CPU's products grow with the rows; a GPU's hardly
 )
 def test_under_load_k_pays_for_the_rows_it_adds_to_a_shared_verify(per_token, drafts_under_load):
-    """The same session, each draft kept about 0.6-0.8 of the time: alone it drafts; in a batch
-    of 16 target-only sessions it drafts only where the verify's and the drafting's costs
-    hardly grow with its rows (no table of batch sizes: the measured lines)."""
+    """The same session, each draft kept about 0.5-0.8 of the time: alone it drafts; in a batch
+    of 16 it drafts only where the verify's and the drafting's costs hardly grow with the
+    rows (no table of batch sizes: the measured lines)."""
     shared = batched_costs(fixed=5e-3, per_token=per_token, draft_step=0.3e-3, sessions=16)
     chooser = KChooser(ADAPTIVE, shared)
     for accepted in [4, 2, 0, 3, 1] * 8:  # each position kept about 0.6 of the rounds it is reached
         chooser.acceptance.observe(4, accepted)
     assert chooser.next_round(100, sessions=1).k >= 2
     assert (chooser.next_round(100, sessions=16).k > 0) is drafts_under_load
+
+
+def test_a_round_that_kept_every_draft_does_not_force_drafts_that_do_not_pay():
+    """Under load a probe of one draft that is kept must not push the next round to two: the
+    escalation after all were kept applies only where drafting pays at all."""
+    shared = batched_costs(fixed=5e-3, per_token=0.4e-3, draft_step=0.3e-3, sessions=16)
+    chooser = KChooser(ADAPTIVE, shared)
+    for accepted in [4, 2, 0, 3, 1] * 8:
+        chooser.acceptance.observe(4, accepted)
+    assert chooser.next_round(100, sessions=16).k == 0
+    chooser._probe_in, chooser._probe_due = 0, False  # the stretch is over: a probe of one draft
+    chooser.observe(1, 1, None, 0.0, 0.0, batch=Batch(16, 17, 1, prefill=True))  # kept; no cost point
+    assert chooser.next_round(100, sessions=16).k == 0
+    chooser._probe_in = 0
+    assert chooser.next_round(100, sessions=1).k >= 2  # alone, drafts pay: at least one more than kept
+
+
+def test_a_new_session_waits_as_long_as_its_methods_others_found_drafts_not_paying():
+    """The target-only stretch is the method's: a new session whose drafts would not pay starts
+    with the stretch the earlier sessions reached, not with a probe every four tokens."""
+    shared = costs(draft_step=0.002, verify_one=0.002, per_token=0.0005)
+    first = KChooser(ADAPTIVE, shared)
+    for _ in range(20):
+        first.observe(2, 0, 0.004, 0.003, 0.007)  # nothing kept
+    assert first.next_k(100) == 0 and first.target_only_tokens == PROBE_STRETCH[0]
+    first._probe_in = 0
+    assert first.next_k(100) == 0 and first.target_only_tokens == 2 * PROBE_STRETCH[0]
+    second = KChooser(ADAPTIVE, shared)
+    assert second.next_k(100) == 0 and second.target_only_tokens == 4 * PROBE_STRETCH[0]
+
+
+def test_a_batchs_costs_count_once_however_many_of_its_sessions_report_them():
+    costs = RoundCosts()
+    for session in range(16):  # the first reports a target-only round, the others drafted
+        k = 0 if session == 0 else 2
+        costs.observe("draft_model", k, 0.004 if k else None, 0.010, 0.020, Batch(16, 46, 30, started_ns=7))
+    assert costs.verify.counts == {46: 1} and costs.rest.counts == {46: 1}
+    assert costs.drafting["draft_model"].counts == {30: 1}
+    costs.observe("draft_model", 2, 0.004, 0.011, 0.021, Batch(16, 46, 30, started_ns=8))
+    assert costs.verify.counts[46] > 1

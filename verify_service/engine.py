@@ -216,7 +216,8 @@ class Verifier:
             check_tree_speculation(
                 job.speculation.tree, self.backend.supports_trees, self.config.max_speculative_tokens
             )
-        session.drafts = self.local.session_drafts(session.drafts, job.speculation, session.prompt_length)
+        sampled = not (job.sampling or session.sampling).is_greedy
+        session.drafts = self.local.session_drafts(session.drafts, job.speculation, session.prompt_length, sampled)
 
     def _draft_locally(self, jobs: list[Job], rows: list[tuple[int, Row]]) -> DraftTiming | None:
         """Drafts every speculative decode's round at once, before the batch's forward: each

@@ -85,7 +85,13 @@ def batch_of(outcome) -> Batch | None:
     """The batch an Outcome's round ran in (None where the verifier did not say)."""
     if not outcome.batch_sessions:
         return None
-    return Batch(outcome.batch_sessions, outcome.batch_tokens, outcome.batch_draft_tokens, outcome.batch_prefill)
+    return Batch(
+        outcome.batch_sessions,
+        outcome.batch_tokens,
+        outcome.batch_draft_tokens,
+        outcome.batch_prefill,
+        outcome.batch_started_ns,
+    )
 
 
 @dataclass(frozen=True)
@@ -135,14 +141,15 @@ class LocalDrafting:
         return (*self.drafter.models, "ngram", "suffix", *own)
 
     def session_drafts(
-        self, current: SessionDrafts | None, speculation: Speculation, prompt_length: int = 0
+        self, current: SessionDrafts | None, speculation: Speculation, prompt_length: int = 0, sampled: bool = False
     ) -> SessionDrafts:
         """The session's drafting for these settings: the current one, or a new one when the
         settings changed (the old one closed once the new one is open). prompt_length: the
-        session's tokens that are its prompt (the drafts' logits processing counts the rest)."""
-        if current is not None and current.speculation == speculation:
+        session's tokens that are its prompt (the drafts' logits processing counts the rest);
+        sampled: whether it samples (its K is chosen from sampled sessions' measures)."""
+        if current is not None and current.speculation == speculation and current.chooser.sampled == sampled:
             return current
-        chooser = KChooser(speculation, self.shared, self.max_speculative_tokens)
+        chooser = KChooser(speculation, self.shared, self.max_speculative_tokens, sampled)
         if speculation.method == "lookahead":
             shape = self.lookahead.with_settings(speculation.lookahead)  # raises for a bad setting
             self.close(current)
@@ -160,7 +167,7 @@ class LocalDrafting:
     def observe_target_only(self, outcome, round_s: float) -> None:
         """A target-only decode's token: what a round without drafts costs."""
         verify_s = (outcome.decided_ns - outcome.batch_started_ns) / 1e9
-        self.shared.costs.observe("none", 0, None, verify_s, round_s, batch_of(outcome), 1)
+        self.shared.costs.observe("none", 0, None, verify_s, round_s, batch_of(outcome))
 
     def close(self, drafts: SessionDrafts | None, tokens: list[int] | None = None) -> None:
         """tokens: the session's whole sequence, its last round's tokens too (method suffix
