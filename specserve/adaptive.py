@@ -8,8 +8,8 @@ second, so that speculation does not make a session slower than the target alone
 are RoundCosts, running estimates shared by the sessions of a process (they belong to the
 models and the machine); how often each draft position is accepted is the session's own,
 starting from its method's average. A session that stopped drafting tries again after a
-stretch of target-only tokens that doubles while drafts keep not paying, the method's stretch
-shared by its sessions. In a batch the choice weighs the batch's tokens per second (KChooser.best_k).
+stretch of target-only tokens that doubles while drafts keep not paying. In a batch the
+choice weighs the batch's tokens per second (KChooser.best_k).
 """
 
 from __future__ import annotations
@@ -197,15 +197,12 @@ class Acceptance:
 
 @dataclass
 class Shared:
-    """What the sessions of one process learn together: the round costs, each method's
-    acceptance (a chain's per position, a tree's as tokens per round), and each method's
-    target-only stretch (how long its sessions wait before drafting again: a new session
-    starts with what the others found, not with a probe of its own every few tokens)."""
+    """What the sessions of one process learn together: the round costs, and each method's
+    acceptance (a chain's per position, a tree's as tokens per round)."""
 
     costs: RoundCosts = field(default_factory=RoundCosts)
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
     tree_tokens: dict[str, _Average] = field(default_factory=dict)
-    stretches: dict[str, int] = field(default_factory=dict)
 
     def method_acceptance(self, method: str) -> Acceptance:
         return self.acceptance.setdefault(method, Acceptance())
@@ -252,6 +249,7 @@ class KChooser:
         self._probe_in = 0  # target-only tokens left before drafts are tried again
         self._probe_due = False  # the stretch is over: the next round drafts
         self._at_least = 0  # after a round that kept every draft: one more than it had
+        self._stretch = PROBE_STRETCH[0]
         self.tree_tokens = _Average(ACCEPTANCE_DECAY)  # a tree round's tokens, the session's own
         self._tree_rounds = 0
         self._since_tree = 0  # chain rounds since the last tree round
@@ -312,11 +310,10 @@ class KChooser:
         if best > 0 and self._at_least > best:  # drafts pay: after all were kept, at least one more
             best = self.best_k(room, lowest=self._at_least)
         if best == 0 and room > 0:
-            stretch = self.shared.stretches.get(self.method, PROBE_STRETCH[0])
-            self._probe_in = stretch
-            self.shared.stretches[self.method] = min(2 * stretch, PROBE_STRETCH[1])
+            self._probe_in = self._stretch
+            self._stretch = min(2 * self._stretch, PROBE_STRETCH[1])
         elif best > 0:
-            self.shared.stretches[self.method] = PROBE_STRETCH[0]
+            self._stretch = PROBE_STRETCH[0]
         return best
 
     def k_after_all_kept(self, k: int, remaining: int) -> int:

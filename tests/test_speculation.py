@@ -231,20 +231,6 @@ def test_a_round_that_kept_every_draft_does_not_force_drafts_that_do_not_pay():
     assert chooser.next_round(100, sessions=1).k >= 2  # alone, drafts pay: at least one more than kept
 
 
-def test_a_new_session_waits_as_long_as_its_methods_others_found_drafts_not_paying():
-    """The target-only stretch is the method's: a new session whose drafts would not pay starts
-    with the stretch the earlier sessions reached, not with a probe every four tokens."""
-    shared = costs(draft_step=0.002, verify_one=0.002, per_token=0.0005)
-    first = KChooser(ADAPTIVE, shared)
-    for _ in range(20):
-        first.observe(2, 0, 0.004, 0.003, 0.007)  # nothing kept
-    assert first.next_k(100) == 0 and first.target_only_tokens == PROBE_STRETCH[0]
-    first._probe_in = 0
-    assert first.next_k(100) == 0 and first.target_only_tokens == 2 * PROBE_STRETCH[0]
-    second = KChooser(ADAPTIVE, shared)
-    assert second.next_k(100) == 0 and second.target_only_tokens == 4 * PROBE_STRETCH[0]
-
-
 def test_a_batchs_costs_count_once_however_many_of_its_sessions_report_them():
     costs = RoundCosts()
     for session in range(16):  # the first reports a target-only round, the others drafted

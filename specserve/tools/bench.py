@@ -2,12 +2,15 @@
 measured side by side in one run, and explained with docs/design.md's model.
 
 Rows per (workload, temperature, clients): target-only through the stack (method "none"),
-speculative through the stack for each K (and adaptive K), and, with one client, what a user
+requests that name no method ("default": what the server chooses), speculative through the
+stack for each K (and adaptive K), and, with one client, what a user
 would run instead, in this process (tools/baselines.py): transformers' generate() of the target
 alone (in float32 and float16) and with the draft as its assistant model, and with --llama-cpp
 llama-cpp-python on the target's GGUF file, plain and with its prompt-lookup drafting.
-Requests of every row interleave prompt by prompt, so load elsewhere on the machine hits all
-rows alike: compare ratios within one run, not absolute figures across runs.
+Requests of every row interleave prompt by prompt (with several clients, block by block of
+one request per client), so load elsewhere on the machine hits all rows alike: compare
+ratios within one run, not absolute figures across runs. With several client counts the
+report adds total and per-request tokens/s and inter-token latency by clients, and a plot.
 
 A target without a draft (--draft none) has no draft_model or assistant-model rows: rows of
 a method the stack does not serve are skipped with a line saying so.
