@@ -8,8 +8,9 @@ second, so that speculation does not make a session slower than the target alone
 are RoundCosts, running estimates shared by the sessions of a process (they belong to the
 models and the machine); how often each draft position is accepted is the session's own,
 starting from its method's average. A session that stopped drafting tries again after a
-stretch of target-only tokens that doubles while drafts keep not paying. In a batch the
-choice weighs the batch's tokens per second (KChooser.best_k).
+stretch of target-only tokens that doubles while drafts keep not paying; after its first,
+the stretch is at least the one its method's sessions reached. In a batch the choice weighs
+the batch's tokens per second (KChooser.best_k).
 """
 
 from __future__ import annotations
@@ -197,12 +198,16 @@ class Acceptance:
 
 @dataclass
 class Shared:
-    """What the sessions of one process learn together: the round costs, and each method's
-    acceptance (a chain's per position, a tree's as tokens per round)."""
+    """What the sessions of one process learn together: the round costs, each method's
+    acceptance (a chain's per position, a tree's as tokens per round), and each method's
+    target-only stretch: a session's second stretch is at least what the method's sessions
+    reached, so that under load each new session probes once, early, and not every few
+    tokens."""
 
     costs: RoundCosts = field(default_factory=RoundCosts)
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
     tree_tokens: dict[str, _Average] = field(default_factory=dict)
+    stretches: dict[str, int] = field(default_factory=dict)
 
     def method_acceptance(self, method: str) -> Acceptance:
         return self.acceptance.setdefault(method, Acceptance())
@@ -310,10 +315,13 @@ class KChooser:
         if best > 0 and self._at_least > best:  # drafts pay: after all were kept, at least one more
             best = self.best_k(room, lowest=self._at_least)
         if best == 0 and room > 0:
-            self._probe_in = self._stretch
-            self._stretch = min(2 * self._stretch, PROBE_STRETCH[1])
+            method_stretch = self.shared.stretches.get(self.method, PROBE_STRETCH[0])
+            self._probe_in = self._stretch  # the first: the session's own, to try its own text early
+            self._stretch = min(max(2 * self._stretch, method_stretch), PROBE_STRETCH[1])
+            self.shared.stretches[self.method] = min(2 * method_stretch, PROBE_STRETCH[1])
         elif best > 0:
             self._stretch = PROBE_STRETCH[0]
+            self.shared.stretches[self.method] = PROBE_STRETCH[0]
         return best
 
     def k_after_all_kept(self, k: int, remaining: int) -> int:

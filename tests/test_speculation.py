@@ -240,3 +240,20 @@ def test_a_batchs_costs_count_once_however_many_of_its_sessions_report_them():
     assert costs.drafting["draft_model"].counts == {30: 1}
     costs.observe("draft_model", 2, 0.004, 0.011, 0.021, Batch(16, 46, 30, started_ns=8))
     assert costs.verify.counts[46] > 1
+
+
+def test_a_new_session_tries_its_own_text_once_then_waits_as_its_methods_others_did():
+    """Under load every session finding drafts not paying would probe every few tokens: after
+    a first short stretch of its own, a session waits at least what the method's sessions
+    reached."""
+    shared = costs(draft_step=0.002, verify_one=0.002, per_token=0.0005)
+    first = KChooser(ADAPTIVE, shared)
+    for _ in range(20):
+        first.observe(2, 0, 0.004, 0.003, 0.007)  # nothing kept
+    assert first.next_k(100) == 0 and first.target_only_tokens == PROBE_STRETCH[0]
+    first._probe_in = 0
+    assert first.next_k(100) == 0 and first.target_only_tokens == 2 * PROBE_STRETCH[0]
+    second = KChooser(ADAPTIVE, shared)
+    assert second.next_k(100) == 0 and second.target_only_tokens == PROBE_STRETCH[0]  # its own text, early
+    second._probe_in = 0
+    assert second.next_k(100) == 0 and second.target_only_tokens == 4 * PROBE_STRETCH[0]  # the method's
