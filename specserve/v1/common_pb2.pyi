@@ -106,3 +106,21 @@ class ModelInfo(_message.Message):
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("json_schema", "regex", "choice", "lark")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    LARK_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    regex: str
+    choice: Choices
+    lark: str
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., lark: _Optional[str] = ...) -> None: ...
+
+class Choices(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specserve.v1 import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/verify.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xc5\x01\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x17\n\x0fprompt_logprobs\x18\x04 \x01(\x08\x12\x1b\n\x13prompt_top_logprobs\x18\x05 \x01(\r\x12\x0f\n\x07\x63opy_of\x18\x06 \x01(\t\x12\x15\n\rprompt_length\x18\x07 \x01(\r\"\xc3\x01\n\x0fPrefillResponse\x12\x36\n\x12next_token_logprob\x18\x04 \x01(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x15\n\rnext_token_id\x18\x01 \x01(\x05\x12\x14\n\x0cnum_verified\x18\x02 \x01(\r\x12\x16\n\x0eserver_seconds\x18\x03 \x01(\x01\"\xd8\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_verified\x18\x02 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12=\n\x13\x64raft_distributions\x18\x04 \x03(\x0b\x32 .specserve.v1.SparseDistribution\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x15\n\rdraft_parents\x18\x06 \x03(\x05\"\xfa\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x15\n\rnext_token_id\x18\x02 \x01(\x05\x12\x14\n\x0cnum_verified\x18\x03 \x01(\r\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x16\n\x0eserver_seconds\x18\x05 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x06 \x01(\x01\x12\x16\n\x0ekernel_seconds\x18\x07 \x01(\x01\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x08 \x03(\x05\x12,\n\x08logprobs\x18\t \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\xad\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_verified\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12.\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x19.specserve.v1.Speculation\"\x93\x02\n\x0bSpeculation\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x10\n\x08\x61\x64\x61ptive\x18\x03 \x01(\x08\x12\x16\n\x0e\x61\x64\x61ptive_k_min\x18\x04 \x01(\r\x12\x16\n\x0e\x61\x64\x61ptive_k_max\x18\x05 \x01(\r\x12\x1d\n\x15min_draft_probability\x18\x06 \x01(\x02\x12%\n\x04tree\x18\x07 \x01(\x0b\x32\x17.specserve.v1.TokenTree\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x10\n\x08isolated\x18\t \x01(\x08\x12*\n\tlookahead\x18\n \x01(\x0b\x32\x17.specserve.v1.Lookahead\";\n\tLookahead\x12\x0e\n\x06window\x18\x01 \x01(\r\x12\r\n\x05ngram\x18\x02 \x01(\r\x12\x0f\n\x07guesses\x18\x03 \x01(\r\"\x9e\x02\n\x0e\x44\x65\x63odeResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x0cnum_verified\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x16\n\x0eserver_seconds\x18\x04 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x05 \x01(\x01\x12\x16\n\x0ekernel_seconds\x18\x06 \x01(\x01\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x07 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\r\x12\x15\n\rdraft_seconds\x18\t \x01(\x01\x12\x0c\n\x04tree\x18\n \x01(\x08\x12,\n\x08logprobs\x18\x0b \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse2\xf4\x02\n\rVerifyService\x12\x46\n\x07Prefill\x12\x1c.specserve.v1.PrefillRequest\x1a\x1d.specserve.v1.PrefillResponse\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12\x45\n\x06\x44\x65\x63ode\x12\x1b.specserve.v1.DecodeRequest\x1a\x1c.specserve.v1.DecodeResponse0\x01\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12G\n\x0cGetModelInfo\x12\x1e.specserve.v1.ModelInfoRequest\x1a\x17.specserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/verify.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xed\x01\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x17\n\x0fprompt_logprobs\x18\x04 \x01(\x08\x12\x1b\n\x13prompt_top_logprobs\x18\x05 \x01(\r\x12\x0f\n\x07\x63opy_of\x18\x06 \x01(\t\x12\x15\n\rprompt_length\x18\x07 \x01(\r\x12&\n\x07grammar\x18\x08 \x01(\x0b\x32\x15.specserve.v1.Grammar\"\xc3\x01\n\x0fPrefillResponse\x12\x36\n\x12next_token_logprob\x18\x04 \x01(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x15\n\rnext_token_id\x18\x01 \x01(\x05\x12\x14\n\x0cnum_verified\x18\x02 \x01(\r\x12\x16\n\x0eserver_seconds\x18\x03 \x01(\x01\"\xd8\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_verified\x18\x02 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12=\n\x13\x64raft_distributions\x18\x04 \x03(\x0b\x32 .specserve.v1.SparseDistribution\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x15\n\rdraft_parents\x18\x06 \x03(\x05\"\x90\x02\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x15\n\rnext_token_id\x18\x02 \x01(\x05\x12\x14\n\x0cnum_verified\x18\x03 \x01(\r\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x16\n\x0eserver_seconds\x18\x05 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x06 \x01(\x01\x12\x16\n\x0ekernel_seconds\x18\x07 \x01(\x01\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x08 \x03(\x05\x12,\n\x08logprobs\x18\t \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x14\n\x0cmask_seconds\x18\n \x01(\x01\"\xad\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_verified\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12.\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x19.specserve.v1.Speculation\"\x93\x02\n\x0bSpeculation\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x10\n\x08\x61\x64\x61ptive\x18\x03 \x01(\x08\x12\x16\n\x0e\x61\x64\x61ptive_k_min\x18\x04 \x01(\r\x12\x16\n\x0e\x61\x64\x61ptive_k_max\x18\x05 \x01(\r\x12\x1d\n\x15min_draft_probability\x18\x06 \x01(\x02\x12%\n\x04tree\x18\x07 \x01(\x0b\x32\x17.specserve.v1.TokenTree\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x10\n\x08isolated\x18\t \x01(\x08\x12*\n\tlookahead\x18\n \x01(\x0b\x32\x17.specserve.v1.Lookahead\";\n\tLookahead\x12\x0e\n\x06window\x18\x01 \x01(\r\x12\r\n\x05ngram\x18\x02 \x01(\r\x12\x0f\n\x07guesses\x18\x03 \x01(\r\"\xb4\x02\n\x0e\x44\x65\x63odeResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x0cnum_verified\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x16\n\x0eserver_seconds\x18\x04 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x05 \x01(\x01\x12\x16\n\x0ekernel_seconds\x18\x06 \x01(\x01\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x07 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\r\x12\x15\n\rdraft_seconds\x18\t \x01(\x01\x12\x0c\n\x04tree\x18\n \x01(\x08\x12,\n\x08logprobs\x18\x0b \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x14\n\x0cmask_seconds\x18\x0c \x01(\x01\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse2\xf4\x02\n\rVerifyService\x12\x46\n\x07Prefill\x12\x1c.specserve.v1.PrefillRequest\x1a\x1d.specserve.v1.PrefillResponse\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12\x45\n\x06\x44\x65\x63ode\x12\x1b.specserve.v1.DecodeRequest\x1a\x1c.specserve.v1.DecodeResponse0\x01\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12G\n\x0cGetModelInfo\x12\x1e.specserve.v1.ModelInfoRequest\x1a\x17.specserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,25 +33,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.verify_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=71
-  _globals['_PREFILLREQUEST']._serialized_end=268
-  _globals['_PREFILLRESPONSE']._serialized_start=271
-  _globals['_PREFILLRESPONSE']._serialized_end=466
-  _globals['_VERIFYREQUEST']._serialized_start=469
-  _globals['_VERIFYREQUEST']._serialized_end=685
-  _globals['_VERIFYRESPONSE']._serialized_start=688
-  _globals['_VERIFYRESPONSE']._serialized_end=938
-  _globals['_DECODEREQUEST']._serialized_start=941
-  _globals['_DECODEREQUEST']._serialized_end=1114
-  _globals['_SPECULATION']._serialized_start=1117
-  _globals['_SPECULATION']._serialized_end=1392
-  _globals['_LOOKAHEAD']._serialized_start=1394
-  _globals['_LOOKAHEAD']._serialized_end=1453
-  _globals['_DECODERESPONSE']._serialized_start=1456
-  _globals['_DECODERESPONSE']._serialized_end=1742
-  _globals['_RELEASEREQUEST']._serialized_start=1744
-  _globals['_RELEASEREQUEST']._serialized_end=1780
-  _globals['_RELEASERESPONSE']._serialized_start=1782
-  _globals['_RELEASERESPONSE']._serialized_end=1799
-  _globals['_VERIFYSERVICE']._serialized_start=1802
-  _globals['_VERIFYSERVICE']._serialized_end=2174
+  _globals['_PREFILLREQUEST']._serialized_end=308
+  _globals['_PREFILLRESPONSE']._serialized_start=311
+  _globals['_PREFILLRESPONSE']._serialized_end=506
+  _globals['_VERIFYREQUEST']._serialized_start=509
+  _globals['_VERIFYREQUEST']._serialized_end=725
+  _globals['_VERIFYRESPONSE']._serialized_start=728
+  _globals['_VERIFYRESPONSE']._serialized_end=1000
+  _globals['_DECODEREQUEST']._serialized_start=1003
+  _globals['_DECODEREQUEST']._serialized_end=1176
+  _globals['_SPECULATION']._serialized_start=1179
+  _globals['_SPECULATION']._serialized_end=1454
+  _globals['_LOOKAHEAD']._serialized_start=1456
+  _globals['_LOOKAHEAD']._serialized_end=1515
+  _globals['_DECODERESPONSE']._serialized_start=1518
+  _globals['_DECODERESPONSE']._serialized_end=1826
+  _globals['_RELEASEREQUEST']._serialized_start=1828
+  _globals['_RELEASEREQUEST']._serialized_end=1864
+  _globals['_RELEASERESPONSE']._serialized_start=1866
+  _globals['_RELEASERESPONSE']._serialized_end=1883
+  _globals['_VERIFYSERVICE']._serialized_start=1886
+  _globals['_VERIFYSERVICE']._serialized_end=2258
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "sampling", "prompt_logprobs", "prompt_top_logprobs", "copy_of", "prompt_length")
+    __slots__ = ("session_id", "token_ids", "sampling", "prompt_logprobs", "prompt_top_logprobs", "copy_of", "prompt_length", "grammar")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class PrefillRequest(_message.Message):
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     COPY_OF_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -23,7 +24,8 @@ class PrefillRequest(_message.Message):
     prompt_top_logprobs: int
     copy_of: str
     prompt_length: int
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_top_logprobs: _Optional[int] = ..., copy_of: _Optional[str] = ..., prompt_length: _Optional[int] = ...) -> None: ...
+    grammar: _common_pb2.Grammar
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_top_logprobs: _Optional[int] = ..., copy_of: _Optional[str] = ..., prompt_length: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("next_token_logprob", "prompt_logprobs", "next_token_id", "num_verified", "server_seconds")
@@ -56,7 +58,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_verified: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "num_verified", "batch_size", "server_seconds", "forward_seconds", "kernel_seconds", "accepted_token_ids", "logprobs")
+    __slots__ = ("num_accepted", "next_token_id", "num_verified", "batch_size", "server_seconds", "forward_seconds", "kernel_seconds", "accepted_token_ids", "logprobs", "mask_seconds")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +68,7 @@ class VerifyResponse(_message.Message):
     KERNEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     num_verified: int
@@ -75,7 +78,8 @@ class VerifyResponse(_message.Message):
     kernel_seconds: float
     accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., num_verified: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    mask_seconds: float
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., num_verified: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., mask_seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("session_id", "num_verified", "max_tokens", "sampling", "speculation")
@@ -126,7 +130,7 @@ class Lookahead(_message.Message):
     def __init__(self, window: _Optional[int] = ..., ngram: _Optional[int] = ..., guesses: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_id", "num_verified", "batch_size", "server_seconds", "forward_seconds", "kernel_seconds", "accepted_token_ids", "num_draft_tokens", "draft_seconds", "tree", "logprobs")
+    __slots__ = ("token_id", "num_verified", "batch_size", "server_seconds", "forward_seconds", "kernel_seconds", "accepted_token_ids", "num_draft_tokens", "draft_seconds", "tree", "logprobs", "mask_seconds")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +142,7 @@ class DecodeResponse(_message.Message):
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     num_verified: int
     batch_size: int
@@ -149,7 +154,8 @@ class DecodeResponse(_message.Message):
     draft_seconds: float
     tree: bool
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., num_verified: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., tree: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    mask_seconds: float
+    def __init__(self, token_id: _Optional[int] = ..., num_verified: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., tree: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., mask_seconds: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
