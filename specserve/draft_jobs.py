@@ -70,6 +70,7 @@ class DraftJob:
     min_draft_probability: float = 0.0
     want_bonus_guess: bool = False
     tree: TreeShape | None = None  # draft a token tree of this shape (specserve/tree_drafting.py)
+    grammar: object | None = None  # GrammarState (specserve/grammar.py): the drafts' q are masked by it
 
 
 @dataclass(frozen=True)

@@ -69,13 +69,22 @@ class _Drafting:
     def processed(self, logits: torch.Tensor, added: list[int]) -> torch.Tensor:
         """The draft's logits [vocab] at a position after the request's logits processing,
         from the output and then added (the round's drafts before the position), as the
-        verifier processes the target's there: penalised drafts follow the penalised target.
-        Unchanged where the request asks for none, or the drafter does not process."""
-        if not self.process:
-            return logits
-        session = self.job.session
-        after = self.job.sampling.processing.after(self.verified, session.prompt_length, session.eos_token_ids)
-        return after(logits, added)
+        verifier processes the target's there: penalised drafts follow the penalised target;
+        then masked by the session's grammar, where it has one (structured outputs: the
+        drafts are legal). Unchanged where the request asks for neither, or the drafter
+        does not process."""
+        if self.process:
+            session = self.job.session
+            after = self.job.sampling.processing.after(self.verified, session.prompt_length, session.eos_token_ids)
+            logits = after(logits, added)
+        if self.job.grammar is not None:
+            logits = self.job.grammar.masked(logits[None], [list(added)])[0]
+        return logits
+
+    @property
+    def shaped(self) -> bool:
+        """Whether the draft's logits are shaped (processed, or masked by a grammar)."""
+        return self.process or self.job.grammar is not None
 
     def draws_at(self, i: int) -> bool:
         """Whether position i (0 = the first draft) is drawn: a draft, or the bonus guess."""
@@ -255,7 +264,7 @@ class Drafter:
         job = d.job
         if len(batch) > 1 or not job.sampling.is_greedy or job.min_draft_probability > 0 or job.want_bonus_guess:
             return False
-        if d.process:  # each draft is the argmax of its processed logits
+        if d.shaped:  # each draft is the argmax of its processed logits
             return False
         steps = d.k - len(d.copied)  # drafts the model makes
         if steps < 2:
@@ -281,7 +290,7 @@ class Drafter:
         """Position i's draw from the draft's logits [vocab] (argmax: their argmax, a greedy
         request's draw, before the request's logits processing)."""
         sampling, position = d.job.sampling, len(d.verified) + i
-        if d.process:
+        if d.shaped:
             logits = d.processed(logits, d.drafts)
             argmax = int(logits.argmax())
         if i == d.k:  # the bonus guess: a draw like the others, kept apart

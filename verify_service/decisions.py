@@ -12,6 +12,7 @@ from specserve.sampling import draw_noise, processed_probs, tree_verify_uniforms
 from specserve.trees import depths
 from specserve_kernels.rejection import greedy_verify, rejection_sample
 from specserve_kernels.tree import tree_rejection_sample
+from verify_service.grammar_rounds import mask_logits
 
 
 def decide(rows: list, device: torch.device) -> list[tuple[int, int]]:
@@ -234,11 +235,12 @@ def stop_at_end_of_sequence(drafts: tuple[int, ...], num_accepted: int, next_tok
 
 def process_logits(row, eos: tuple[int, ...]) -> None:
     """Applies the row's logits processing (specserve/logit_processing.py), where its sampling
-    asks: each row of its logits after the session's tokens and the round's tokens up to it
-    (a chain's drafts before it, a tree node's path). The argmax the forward made goes: the
-    decision takes the processed logits'."""
-    processing = row.sampling.processing
-    if not processing.active:
+    asks, and its session's grammar (verify_service/grammar_rounds.py), where it has one: each
+    row of its logits after the session's tokens and the round's tokens up to it (a chain's
+    drafts before it, a tree node's path). The argmax the forward made goes: the decision
+    takes the processed logits'."""
+    processing, grammar = row.sampling.processing, row.session.grammar
+    if not processing.active and grammar is None:
         return
     tokens = row.session.tokens
     prompt, output = tokens[: row.session.prompt_length], tokens[row.session.prompt_length :]
@@ -248,5 +250,9 @@ def process_logits(row, eos: tuple[int, ...]) -> None:
         added = [[]]
         for node in range(1, len(row.parents)):
             added.append([*added[row.parents[node]], row.feed[node]])
-    row.logits = processing.apply(row.logits, prompt, output, added, eos)
+    raw = row.logits
+    if processing.active:
+        row.logits = processing.apply(row.logits, prompt, output, added, eos)
+    if grammar is not None:
+        mask_logits(row, raw, added)
     row.argmax = None

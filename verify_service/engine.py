@@ -20,18 +20,30 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import wait
 
 from specserve.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, require
 from specserve.logprobs import MAX_TOP_LOGPROBS
 from specserve.model.backends import ForwardRow, forward_in_budget
 from specserve.model.loading import LoadedModel
 from specserve.protocol import check_token_ids
-from specserve.sampling import SamplingParams
 from specserve.serving.batching import Again
 from specserve.serving.metrics import ServiceMetrics
 from verify_service.config import VerifyConfig
 from verify_service.decisions import decide, logprobs_of, process_logits, stop_at_end_of_sequence
-from verify_service.jobs import DecodeJob, Job, Outcome, PrefillJob, ReleaseJob, Row, Session, SweepJob, VerifyJob
+from verify_service.grammar_rounds import GrammarRounds
+from verify_service.jobs import (
+    DecodeJob,
+    Job,
+    Outcome,
+    PrefillJob,
+    ReleaseJob,
+    Row,
+    Session,
+    SweepJob,
+    VerifyJob,
+    batch_timing,
+)
 from verify_service.local_drafts import DraftTiming, LocalDrafting
 from verify_service.scoring import score_prompt
 from verify_service.tree_rounds import check_tree, check_tree_speculation, keep_path, split_window, tree_nodes
@@ -55,6 +67,7 @@ class Verifier:
         self.metrics = metrics
         self.local = local
         self.sessions: dict[str, Session] = {}
+        self.grammar_rounds = GrammarRounds(config.max_speculative_tokens)  # structured outputs' share
 
     def step(self, jobs: list[Job]) -> list[Outcome | Again | None | BaseException]:
         """Processes one batch: one forward for every session, one kernel call per sampling
@@ -97,7 +110,7 @@ class Verifier:
             self._forward([row for _, row in rows])
             forwarded = time.time_ns()
             decisions = decide([row for _, row in rows], self.loaded.device)
-            timing = _timing([row for _, row in rows], started, forwarded)
+            timing = batch_timing([row for _, row in rows], started, forwarded)
         except BaseException:
             for _, row in rows:
                 if row.is_new:
@@ -192,7 +205,7 @@ class Verifier:
             session.last_decided_ns = 0
         since = session.last_decided_ns or outcome.draft_started_ns or outcome.batch_started_ns
         session.last_decided_ns = outcome.decided_ns
-        if self.local is None:
+        if self.local is None or outcome.forced:  # a forced round is the grammar's, not the method's
             return
         round_s = (outcome.decided_ns - since) / 1e9
         if job.speculation is not None:
@@ -218,11 +231,14 @@ class Verifier:
             )
         sampled = not (job.sampling or session.sampling).is_greedy
         session.drafts = self.local.session_drafts(session.drafts, job.speculation, session.prompt_length, sampled)
+        session.drafts.grammar = session.grammar  # the drafts' q follow it too
 
     def _draft_locally(self, jobs: list[Job], rows: list[tuple[int, Row]]) -> DraftTiming | None:
         """Drafts every speculative decode's round at once, before the batch's forward: each
-        row's K from its session's chooser, its drafts into the row."""
-        speculative = [(jobs[i], row) for i, row in rows if isinstance(jobs[i], DecodeJob) and jobs[i].speculation]
+        row's K from its session's chooser, its drafts into the row (a grammar's forced
+        tokens instead, where it forces some)."""
+        self.grammar_rounds.jump_forward(jobs, rows, self.loaded.max_context_length)
+        speculative = [(jobs[i], row) for i, row in rows if getattr(jobs[i], "speculation", None) and not row.forced]
         if not speculative:
             return None
         wanted = []
@@ -262,7 +278,7 @@ class Verifier:
         else:
             self.backend.trim_branches()  # where no slot is free, token trees' branch slots go back first
             sequence, is_new = self.backend.open(), True  # raises ResourceExhausted when full
-        session = Session(list(job.token_ids), sequence, job.sampling)
+        session = Session(list(job.token_ids), sequence, job.sampling, grammar=job.grammar)
         session.prompt_length = job.prompt_length or len(job.token_ids)
         feed = list(job.token_ids)
         if job.copy_of and job.prompt_logprobs is None and self._copied(job, sequence):
@@ -295,7 +311,7 @@ class Verifier:
             )
         sampling = job.sampling or session.sampling
         check_token_ids(sampling.processing.token_ids(), self.loaded.vocab_size, "sampling's token ids")
-        self._check_drafts(job, sampling)
+        job.check_drafts(sampling, self.config.max_speculative_tokens, self.loaded)
         if job.draft_parents:
             check_tree(job, sampling, self.backend.supports_trees)
         session.sequence.truncate(len(session.tokens) - 1)  # also undoes a forward whose batch failed
@@ -316,13 +332,20 @@ class Verifier:
         return row
 
     def _forward(self, rows: list[Row]) -> None:
-        scoring = [row for row in rows if row.prompt_logprobs is not None]  # each alone, in chunks, first
-        again = {id(row) for row in scoring if score_prompt(self.backend, row, self.config.max_batched_tokens)}
-        chains = [row for row in rows if row.parents is None and (row.prompt_logprobs is None or id(row) in again)]
-        forward_rows = [ForwardRow(row.session.sequence, row.feed, len(row.drafts) + 1) for row in chains]
-        results = forward_in_budget(self.backend, forward_rows, self.config.max_batched_tokens)
+        masking = self.grammar_rounds.before_forward(rows)  # the grammars' masks, alongside
+        try:
+            scoring = [row for row in rows if row.prompt_logprobs is not None]  # each alone, in chunks, first
+            again = {id(row) for row in scoring if score_prompt(self.backend, row, self.config.max_batched_tokens)}
+            chains = [r for r in rows if r.parents is None and (r.prompt_logprobs is None or id(r) in again)]
+            forward_rows = [ForwardRow(row.session.sequence, row.feed, len(row.drafts) + 1) for row in chains]
+            results = forward_in_budget(self.backend, forward_rows, self.config.max_batched_tokens)
+        finally:  # the masks touch the sessions' grammars: done before anything else may
+            if masking is not None:
+                wait([masking])
         for row, (logits, argmax) in zip(chains, results):
             row.logits, row.argmax = logits, argmax
+        if masking is not None:
+            masking.result()
         for row in [*chains, *(row for row in scoring if id(row) not in again)]:
             process_logits(row, self.loaded.eos_token_ids)
         trees = [row for row in rows if row.parents is not None]
@@ -333,27 +356,6 @@ class Verifier:
                 if row.window:  # the window's guesses to its session; the decision reads the rest
                     row.session.drafts.lookahead.learn(split_window(row))
                 process_logits(row, self.loaded.eos_token_ids)
-
-    def _check_drafts(self, job: VerifyJob, sampling: SamplingParams) -> None:
-        k = len(job.draft_token_ids)
-        require(
-            k <= self.config.max_speculative_tokens,
-            f"at most {self.config.max_speculative_tokens} draft tokens per call, got {k}",
-        )
-        require(
-            job.num_verified + k <= self.loaded.max_context_length,
-            f"{job.num_verified} verified + {k} draft tokens exceed the context window of {self.loaded.max_context_length}",
-        )
-        check_token_ids(job.draft_token_ids, self.loaded.vocab_size, "draft_token_ids")
-        if sampling.is_greedy:
-            require(not job.draft_distributions, "greedy requests carry no draft distributions")
-            return
-        require(
-            len(job.draft_distributions) == k,
-            f"{k} draft tokens need {k} draft distributions, got {len(job.draft_distributions)}",
-        )
-        for i, (token, distribution) in enumerate(zip(job.draft_token_ids, job.draft_distributions)):
-            require(distribution.prob_of(token) > 0, f"draft token {i} ({token}) has no mass in its own distribution")
 
     def _commit(self, row: Row, num_accepted: int, next_token: int) -> Outcome:
         kept = row.drafts if row.path is None else keep_path(self.backend, row)
@@ -366,6 +368,8 @@ class Verifier:
         accepted = tuple(kept[:num_accepted])
         session.tokens.extend(accepted)
         session.tokens.append(next_token)
+        if session.grammar is not None:
+            session.grammar.advance([*accepted, next_token])
         session.sequence.truncate(len(session.tokens) - 1)
         session.last_used = time.monotonic()
         self.sessions[row.session_id] = session
@@ -377,19 +381,7 @@ class Verifier:
             accepted,
             len(row.drafts),
             tree=row.parents is not None,
+            forced=row.forced,
+            mask_seconds=row.mask_seconds,
             **logprobs_of(row, [*accepted, next_token]),
         )
-
-
-def _timing(rows: list[Row], started_ns: int, forwarded_ns: int) -> dict:
-    """A decided batch's times and make-up, as Outcome fields: the make-up is what the K choice
-    weighs a round's cost against."""
-    return {
-        "batch_started_ns": started_ns,
-        "forward_ended_ns": forwarded_ns,
-        "decided_ns": time.time_ns(),
-        "batch_sessions": len(rows),
-        "batch_tokens": sum(len(row.feed) for row in rows),
-        "batch_draft_tokens": sum(len(row.drafts) for row in rows),
-        "batch_prefill": any(row.is_prefill for row in rows),
-    }

@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.errors import require
+from specserve.grammar import GrammarState
 from specserve.logprobs import TokenLogprob
 from specserve.model.backends import KVSequence
-from specserve.protocol import SparseDistribution
+from specserve.protocol import SparseDistribution, check_token_ids
 from specserve.sampling import SamplingParams
 from specserve.speculation import Speculation
 from verify_service.local_drafts import SessionDrafts
@@ -26,6 +28,7 @@ class PrefillJob:
     prompt_logprobs: int | None = None  # each token's logprob after the tokens before it, with this many top ones
     copy_of: str = ""  # a session whose cache of token_ids is copied, where it holds them
     prompt_length: int = 0  # of token_ids, the prompt's (0: all); the rest is output
+    grammar: GrammarState | None = None  # the output's grammar, after the output sent
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,29 @@ class VerifyJob:
     draft_distributions: tuple[SparseDistribution, ...]
     sampling: SamplingParams | None  # None: the session's own
     draft_parents: tuple[int, ...] = ()  # a token tree's: each draft's parent (0 the root); () a chain
+
+    def check_drafts(self, sampling: SamplingParams, max_speculative_tokens: int, loaded) -> None:
+        """InvalidArgument where the drafts are more than the verifier takes, reach past the
+        context window or the vocabulary, or do not agree with their distributions."""
+        k = len(self.draft_token_ids)
+        require(
+            k <= max_speculative_tokens,
+            f"at most {max_speculative_tokens} draft tokens per call, got {k}",
+        )
+        require(
+            self.num_verified + k <= loaded.max_context_length,
+            f"{self.num_verified} verified + {k} draft tokens exceed the context window of {loaded.max_context_length}",
+        )
+        check_token_ids(self.draft_token_ids, loaded.vocab_size, "draft_token_ids")
+        if sampling.is_greedy:
+            require(not self.draft_distributions, "greedy requests carry no draft distributions")
+            return
+        require(
+            len(self.draft_distributions) == k,
+            f"{k} draft tokens need {k} draft distributions, got {len(self.draft_distributions)}",
+        )
+        for i, (token, distribution) in enumerate(zip(self.draft_token_ids, self.draft_distributions)):
+            require(distribution.prob_of(token) > 0, f"draft token {i} ({token}) has no mass in its own distribution")
 
 
 @dataclass(frozen=True)
@@ -82,6 +108,8 @@ class Outcome:
     accepted_token_ids: tuple[int, ...] = ()  # the drafts kept, before next_token_id
     num_draft_tokens: int = 0  # K verified
     tree: bool = False  # the drafts were a token tree
+    forced: bool = False  # the drafts were the tokens the session's grammar forced (jump-forward)
+    mask_seconds: float = 0.0  # of the session's grammar masks (alongside the forward)
     logprobs: tuple[TokenLogprob, ...] = ()  # with sampling.logprobs: the accepted tokens', then next_token_id's
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # a prefill's, asked for: its tokens' from the second on
     # Wall-clock times (time.time_ns) of the batch this call ran in: drafting (colocated;
@@ -124,6 +152,7 @@ class Session:
     # token (None on the transformers backend): Medusa heads draft the next round from it.
     hidden: torch.Tensor | None = field(default=None, repr=False)
     prompt_length: int = 0  # of tokens, the prompt's: logits processing counts the output after it
+    grammar: GrammarState | None = None  # what its output follows (structured outputs), after its tokens
 
 
 @dataclass
@@ -143,9 +172,26 @@ class Row:
     argmax: list[int] | None = None  # of each of the logits, where the forward made it with them
     batch_size: int = field(default=1)
     drafted_locally: bool = False  # a speculative decode's round with drafts, the verifier's own
+    forced: bool = False  # its drafts are its grammar's forced tokens (jump-forward)
+    grammar_masks: torch.Tensor | None = None  # [rows, vocab] bool: what its grammar allows at each position
+    mask_seconds: float = 0.0
     parents: list[int] | None = None  # a token tree's: the parent of each node of feed (root -1)
     path: list[int] | None = None  # a token tree's nodes kept, from its decision
     window: int = 0  # a lookahead round's last nodes: its Jacobi window, which the decision does not read
     window_whole: bool = True  # whether all of the window's nodes were fed (a tree pruned to free slots: not)
     prompt_logprobs: list | None = None  # a prefill's, asked for: its prompt tokens' from the second on
     prompt_top: int = 0  # the likeliest tokens' logprobs beside each prompt token's
+
+
+def batch_timing(rows: list[Row], started_ns: int, forwarded_ns: int) -> dict:
+    """A decided batch's times and make-up, as Outcome fields: the make-up is what the K choice
+    weighs a round's cost against."""
+    return {
+        "batch_started_ns": started_ns,
+        "forward_ended_ns": forwarded_ns,
+        "decided_ns": time.time_ns(),
+        "batch_sessions": len(rows),
+        "batch_tokens": sum(len(row.feed) for row in rows),
+        "batch_draft_tokens": sum(len(row.drafts) for row in rows),
+        "batch_prefill": any(row.is_prefill for row in rows),
+    }

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from specserve.adaptive import Batch, KChooser, RoundChoice, Shared
 from specserve.drafting import Drafter, DraftJob, DraftSession, Proposal
 from specserve.errors import RequestError
+from specserve.grammar import GrammarState
 from specserve.logit_processing import NEUTRAL
 from specserve.lookahead import LookaheadSession, LookaheadShape
 from specserve.pacing import MethodRate, Pacing
@@ -44,6 +45,7 @@ class SessionDrafts:
     prompt_length: int = 0  # the session's tokens that are its prompt (logits processing counts the rest)
     pacing: Pacing | None = None  # lookahead's: its rounds or target-only ones
     paced_round: bool = False  # whether the round drafted now is lookahead's
+    grammar: GrammarState | None = None  # the session's (structured outputs): the drafts' q are masked by it
 
     def observe(self, outcome, round_s: float) -> None:
         """Feeds a round's Outcome to the chooser: its drafting, its verify (forward and
@@ -217,10 +219,12 @@ class LocalDrafting:
         for i in rows:
             drafts, verified, choice, sampling, hidden = jobs[i]
             processing = sampling.processing if self.drafter.options.process_logits else NEUTRAL
-            drafts.tree_round = choice.tree is not None and sampling.is_greedy and not processing.active
+            shaped = processing.active or drafts.grammar is not None
+            drafts.tree_round = choice.tree is not None and sampling.is_greedy and not shaped
             asked.append((verified, hidden, choice.k, choice.tree, sampling.is_greedy))
             eos = self.medusa.eos_token_ids
-            process.append(processing.after(verified, drafts.prompt_length, eos) if processing.active else None)
+            after = processing.after(verified, drafts.prompt_length, eos) if processing.active else None
+            process.append(with_grammar(after, drafts.grammar) if drafts.grammar is not None else after)
         try:
             proposals = self.medusa.propose(asked, process)
         except Exception as error:  # noqa: BLE001 - drafts are optional: the rounds run target-only
@@ -263,6 +267,7 @@ class LocalDrafting:
             sampling,
             drafts.speculation.min_draft_probability,
             tree=choice.tree,
+            grammar=drafts.grammar,
         )
 
     def _step(self, jobs: list[DraftJob]) -> list:
@@ -274,3 +279,14 @@ class LocalDrafting:
             return self.drafter.step(jobs)
         except Exception as error:  # noqa: BLE001 - drafts are optional: the rounds run target-only
             return [error] * len(jobs)
+
+
+def with_grammar(after, grammar: GrammarState):
+    """A drafter's shaping of its logits (logits [vocab], added) -> logits: after's, then
+    the grammar's mask after the round's drafts before the position."""
+
+    def shaped(logits, added):
+        logits = after(logits, added) if after is not None else logits
+        return grammar.masked(logits[None], [list(added)])[0]
+
+    return shaped

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from specserve.grammar import Grammar, Grammars, GrammarState
 from specserve.model.loading import LoadedModel
 from specserve.protocol import SparseDistribution, model_info
 from specserve.sampling import SamplingParams
@@ -35,6 +36,16 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         self._config = config
         self._metrics = metrics
         self._info = model_info(loaded, config.max_speculative_tokens, local_methods)
+        self._grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+
+    def _grammar(self, request: verify_pb2.PrefillRequest) -> GrammarState | None:
+        """The session's grammar after the output sent (compiled here, on the call's thread,
+        not on the batch's)."""
+        grammar = Grammar.from_proto(request.grammar)
+        if grammar is None:
+            return None
+        output = request.token_ids[request.prompt_length :] if request.prompt_length else []
+        return self._grammars.start(grammar, list(output))
 
     def _run(self, job) -> Outcome:
         """Submits a job; records its queue, forward and kernel time as spans and metrics."""
@@ -65,7 +76,13 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         sampling = SamplingParams.from_proto(request.sampling)
         prompt = request.prompt_top_logprobs if request.prompt_logprobs else None
         job = PrefillJob(
-            request.session_id, tuple(request.token_ids), sampling, prompt, request.copy_of, request.prompt_length
+            request.session_id,
+            tuple(request.token_ids),
+            sampling,
+            prompt,
+            request.copy_of,
+            request.prompt_length,
+            self._grammar(request),
         )
         outcome = self._run(job)
         self._metrics.prefills.inc()
@@ -92,6 +109,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             server_seconds=time.perf_counter() - started,
             forward_seconds=outcome.forward_seconds,
             kernel_seconds=outcome.kernel_seconds,
+            mask_seconds=outcome.mask_seconds,
             accepted_token_ids=outcome.accepted_token_ids,
             logprobs=[logprob.to_proto() for logprob in outcome.logprobs],
         )
@@ -128,6 +146,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                     server_seconds=max(0, outcome.decided_ns - since) / 1e9,
                     forward_seconds=outcome.forward_seconds,
                     kernel_seconds=outcome.kernel_seconds,
+                    mask_seconds=outcome.mask_seconds,
                     accepted_token_ids=outcome.accepted_token_ids,
                     num_draft_tokens=outcome.num_draft_tokens,
                     draft_seconds=outcome.draft_seconds,

@@ -1,0 +1,105 @@
+"""A round under a session's grammar (specserve/grammar.py; docs/design.md, "Structured
+outputs"): the grammar's forced tokens as its drafts (jump-forward), a chain's drafts cut
+where the grammar refuses one, before the forward, and the target's logits masked at every
+position by the state after the tokens before it."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from specserve.context_lookup import one_hot
+from specserve.grammar import fit
+
+
+class GrammarRounds:
+    """The verifier's share of structured outputs in a batch: forced tokens as drafts, drafts
+    cut, and masks made alongside the forward (on a helper thread: llguidance lets the GIL go
+    while it computes them)."""
+
+    def __init__(self, max_speculative_tokens: int):
+        self.max_speculative_tokens = max_speculative_tokens
+        self._masker: ThreadPoolExecutor | None = None
+
+    def jump_forward(self, jobs: list, rows: list, max_context_length: int) -> None:
+        """A decode's round whose grammar forces its next tokens verifies them as its drafts,
+        whatever its method (none included); its method drafts the rounds after."""
+        for i, row in rows:
+            job = jobs[i]
+            if row.session.grammar is not None and hasattr(job, "max_tokens"):  # a DecodeJob
+                room = min(job.max_tokens, max_context_length - len(row.session.tokens)) - 1
+                row.forced = jump_forward(row, min(room, self.max_speculative_tokens))
+
+    def before_forward(self, rows: list) -> Future | None:
+        """Cuts each chain's drafts where its grammar refuses one, then starts the chains'
+        masks; None where no row has a grammar."""
+        chains = [row for row in rows if row.session.grammar is not None and row.parents is None]
+        for row in chains:
+            if row.drafts:
+                trim_drafts(row)
+        if not chains:
+            return None
+        if self._masker is None:
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._masker.submit(chain_masks, chains)
+
+
+def jump_forward(row, limit: int) -> bool:
+    """Makes the tokens the grammar forces next the row's drafts (at most limit), one-hot
+    where sampled: a draft that costs nothing to make, and that the target keeps unless it
+    would spell the same text with other tokens. Whether there were any."""
+    forced = row.session.grammar.forced()[:limit]
+    if not forced:
+        return False
+    row.drafts = tuple(forced)
+    row.distributions = () if row.sampling.is_greedy else tuple(one_hot(forced))
+    row.feed = [row.feed[0], *forced]
+    return True
+
+
+def trim_drafts(row) -> None:
+    """Cuts a chain's drafts after the first the grammar refuses, which the decision rejects
+    whatever the target's logits (masked, its probability is 0): nothing after it is ever
+    read. The refused draft goes too where its q is one-hot (greedy, a copy, n-gram, forced
+    tokens): the residual after it is then p itself, so the bonus draw at its place gives
+    the same token from the same noise. A sampled draft with a q of wider support stays, to be
+    rejected by the rule, which then draws from max(0, p - q)."""
+    legal = row.session.grammar.legal(list(row.drafts))
+    if legal == len(row.drafts):
+        return
+    one_hot_q = row.sampling.is_greedy or len(row.distributions[legal].token_ids) == 1
+    keep = legal if one_hot_q else legal + 1
+    row.drafts, row.distributions = row.drafts[:keep], row.distributions[:keep]
+    row.feed = row.feed[: keep + 1]
+
+
+def chain_masks(rows: list) -> None:
+    """Each chain row's masks as bits, one row per position of its forward
+    (row.grammar_masks), and the CPU time they took: on a helper thread while the forward
+    runs (llguidance lets the GIL go). No torch op runs here: one on another thread starts
+    a second OpenMP pool, whose spinning threads would take the forward's cores."""
+    for row in rows:
+        started = time.thread_time()
+        paths = [list(row.feed[1 : r + 1]) for r in range(len(row.drafts) + 1)]
+        row.grammar_masks = row.session.grammar.bitmasks(paths)  # [K + 1, words]
+        row.mask_seconds = time.thread_time() - started
+
+
+def mask_logits(row, raw: torch.Tensor, added: list[list[int]]) -> None:
+    """row.logits (processed) masked to what the grammar allows after each row's added
+    tokens (its masks made alongside the forward, where they were). Where the request's own
+    masks (allowed_token_ids, min_tokens, bad_words) leave none of the grammar's tokens, the
+    grammar's mask applies to the raw logits instead: the output follows the grammar first."""
+    grammar, bits = row.session.grammar, row.grammar_masks
+    started = time.perf_counter()
+    if bits is None or bits.shape[0] != row.logits.shape[0]:
+        bits = grammar.bitmasks(added)
+    allowed = fit(grammar.allowed(bits), row.logits.shape[-1]).to(row.logits.device)  # [rows, vocab]
+    row.mask_seconds += time.perf_counter() - started
+    masked = row.logits.masked_fill(~allowed, float("-inf"))
+    dead = torch.isinf(masked).all(-1)
+    if bool(dead.any()):
+        masked[dead] = raw.float()[dead].masked_fill(~allowed[dead], float("-inf"))
+    row.logits = masked
