@@ -21,6 +21,7 @@ class RoundTimings:
     verify_server_seconds: float = 0.0
     verify_forward_seconds: float = 0.0
     verify_kernel_seconds: float = 0.0
+    verify_mask_seconds: float = 0.0  # structured outputs' grammar masks, alongside the forward
     wire_bytes: int = 0  # serialized draft and verify messages, both ways
     pipelined_rounds: int = 0  # rounds whose drafts were made while the previous one was verified
     batch_sizes: dict[int, int] = field(default_factory=dict)
@@ -61,6 +62,7 @@ def account(round_: Round, stats: SpeculationStats, metrics: GatewayMetrics | No
     timings.verify_server_seconds += round_.verify_server_seconds
     timings.verify_forward_seconds += round_.verify_forward_seconds
     timings.verify_kernel_seconds += round_.verify_kernel_seconds
+    timings.verify_mask_seconds += round_.verify_mask_seconds
     timings.wire_bytes += round_.wire_bytes
     timings.pipelined_rounds += int(round_.pipelined)
     timings.batch_sizes[round_.batch_size] = timings.batch_sizes.get(round_.batch_size, 0) + 1

@@ -18,6 +18,7 @@ from gateway.errors import ApiError, bad_request
 from gateway.request_sampling import logprob_settings, sampling_for
 from gateway.rounds import GenerationPlan
 from gateway.shapes import lookahead_of_request, tree_of_request
+from specserve.grammar import Grammar
 
 
 class Lookahead(BaseModel):
@@ -54,19 +55,12 @@ class StreamOptions(BaseModel):
 # 400 that names the field, never a silent default.
 UNSUPPORTED = {
     "length_penalty": (1,),
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
     "functions": ([],),
     "function_call": ("none", "auto"),
     "use_beam_search": (False,),
     "spaces_between_special_tokens": (True,),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "guided_decoding_backend": (),
-    "structured_outputs": (),
     "logits_processors": ([],),
     "prediction": (),
     "audio": (),
@@ -115,6 +109,14 @@ class _GenerationRequest(BaseModel):
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first N instead
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
     skip_special_tokens: bool = True  # vLLM's: false keeps special tokens' text in the output
+    # Structured outputs (gateway/structured.py): OpenAI's, vLLM's and vLLM's older fields.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # vLLM's choice of library: this server has one, llguidance
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -257,6 +259,17 @@ def _same(value, neutral) -> bool:
     return value == neutral
 
 
+def _num_speculative_tokens(speculation: Speculation, defaults: GatewayConfig, served: ServedModel) -> int:
+    k = speculation.num_speculative_tokens
+    k = defaults.num_speculative_tokens if k is None else k
+    if not 1 <= k <= served.max_speculative_tokens:
+        raise bad_request(
+            f"speculation.num_speculative_tokens must lie in 1..{served.max_speculative_tokens}",
+            "speculation.num_speculative_tokens",
+        )
+    return k
+
+
 def plan_for(
     request: _GenerationRequest,
     prompt_token_ids: list[int],
@@ -264,6 +277,7 @@ def plan_for(
     defaults: GatewayConfig,
     tenant: str = "",
     bad_words: tuple[tuple[int, ...], ...] = (),
+    grammar: Grammar | None = None,
 ) -> GenerationPlan:
     check_unsupported(request)
     prompt_token_ids = _truncated(request, prompt_token_ids, served)
@@ -271,16 +285,7 @@ def plan_for(
     if (request.min_tokens or 0) > max_tokens:
         raise bad_request(f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
     speculation = request.speculation or Speculation()
-    k = (
-        defaults.num_speculative_tokens
-        if speculation.num_speculative_tokens is None
-        else speculation.num_speculative_tokens
-    )
-    if not 1 <= k <= served.max_speculative_tokens:
-        raise bad_request(
-            f"speculation.num_speculative_tokens must lie in 1..{served.max_speculative_tokens}",
-            "speculation.num_speculative_tokens",
-        )
+    k = _num_speculative_tokens(speculation, defaults, served)
     min_p = (
         defaults.min_draft_probability
         if speculation.min_draft_probability is None
@@ -316,6 +321,7 @@ def plan_for(
         isolated=seeded_sampled,
         lookahead=lookahead,
         prompt_logprobs=logprob_settings(request)[2],
+        grammar=grammar,
     )
 
 

@@ -34,7 +34,10 @@ from gateway.errors import bad_request
 from gateway.guard import Guard, add_error_handlers
 from gateway.responses import MAX_PROMPTS, chat_complete, complete
 from gateway.rounds import GenerationPlan
+from gateway.structured import grammar_of
 from gateway.vllm_routes import add_vllm_routes
+from specserve.errors import InvalidArgument
+from specserve.grammar import Grammar, Grammars
 from specserve.serving.metrics import GatewayMetrics
 from specserve.v1 import draft_pb2_grpc, verify_pb2_grpc
 from specserve.v1.common_pb2 import ModelInfo, ModelInfoRequest
@@ -67,14 +70,32 @@ class Gateway:
         default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
     )
     _thread_tokenizers: threading.local = field(default_factory=threading.local)
+    grammars: Grammars | None = None  # structured outputs' grammars compiled for the tokenizer, once served
 
     def crowded(self) -> bool:
         """Whether more requests run than speculation pays for (max_speculating_requests)."""
         limit = self.config.max_speculating_requests
         return limit > 0 and self.in_flight > limit
 
-    def plan(self, request, prompt_token_ids: list[int], tenant: str = "") -> GenerationPlan:
-        return plan_for(request, prompt_token_ids, self.served, self.config, tenant, self.bad_words(request))
+    def plan(self, request, prompt_token_ids: list[int], tenant: str = "", grammar=None) -> GenerationPlan:
+        return plan_for(request, prompt_token_ids, self.served, self.config, tenant, self.bad_words(request), grammar)
+
+    def grammar(self, request, tokenizer=None) -> Grammar | None:
+        """The request's structured output (gateway/structured.py), compiled here once to
+        answer a 400 that names what the grammar library refuses (off the event loop: a large
+        schema compiles for tens of milliseconds)."""
+        asked = grammar_of(request)
+        if asked is None:
+            return None
+        name, grammar = asked
+        if self.grammars is None:
+            eos = tuple(sorted(self.served.eos_token_ids))
+            self.grammars = Grammars(self.tokenizer, self.served.vocab_size, eos)
+        try:
+            self.grammars.compiled(grammar)
+        except InvalidArgument as error:
+            raise bad_request(f"{name}: {error}", name) from None
+        return grammar
 
     def bad_words(self, request) -> tuple[tuple[int, ...], ...]:
         """vLLM's bad_words as token sequences: each word as written and after a space."""

@@ -293,6 +293,7 @@ class _Session:
             verify_server_seconds=response.server_seconds,
             verify_forward_seconds=response.forward_seconds,
             verify_kernel_seconds=response.kernel_seconds,
+            verify_mask_seconds=response.mask_seconds,
             wire_bytes=wire_bytes,
             pipelined=proposal.seconds == 0 and bool(drafts),
             tree=bool(proposal.parents),

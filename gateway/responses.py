@@ -347,7 +347,8 @@ async def complete(gateway: Gateway, request, http: Request):
     prompts, texts = await gateway.off_loop(gateway.completion_prompts, request)
     if len(prompts) * (request.n or 1) > MAX_PROMPTS:  # each choice holds a verifier session
         raise bad_request(f"prompts times n is at most {MAX_PROMPTS} per request", "n")
-    plans = [gateway.plan(request, prompt, http.scope["state"].get("tenant", "")) for prompt in prompts]
+    grammar = await gateway.off_loop(gateway.grammar, request)
+    plans = [gateway.plan(request, prompt, http.scope["state"].get("tenant", ""), grammar) for prompt in prompts]
     return await respond(gateway, request, plans, chat=False, http=http, texts=texts)
 
 
@@ -356,5 +357,6 @@ async def chat_complete(gateway: Gateway, request, http: Request):
     check_model(request.model, gateway.served)
     check_unsupported(request)  # before the template renders the messages
     prompt = await gateway.off_loop(gateway.chat_prompt, request)
-    plan = gateway.plan(request, prompt, http.scope["state"].get("tenant", ""))
+    grammar = await gateway.off_loop(gateway.grammar, request)
+    plan = gateway.plan(request, prompt, http.scope["state"].get("tenant", ""), grammar)
     return await respond(gateway, request, [plan], chat=True, http=http)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specserve.grammar import Grammar
 from specserve.sampling import SamplingParams
 from specserve.speculation import Speculation
 from specserve.trees import TreeShape
@@ -30,6 +31,7 @@ class GenerationPlan:
     tenant: str = ""  # who the request is for (a hash of its API key): what method suffix may share
     isolated: bool = False  # method suffix learns from no other request (a seeded sampled one)
     lookahead: tuple[int, int, int] = (0, 0, 0)  # method lookahead's W, N, G (0: the verifier's default)
+    grammar: Grammar | None = None  # what the output follows (structured outputs), masked in the verifier
 
     @property
     def speculation(self) -> Speculation | None:
@@ -63,6 +65,7 @@ class Round:
     verify_server_seconds: float
     verify_forward_seconds: float = 0.0
     verify_kernel_seconds: float = 0.0
+    verify_mask_seconds: float = 0.0  # the grammar's masks (structured outputs), alongside the forward
     wire_bytes: int = 0
     pipelined: bool = False  # drafted during the previous round's verification
     tree: bool = False  # its drafts were a token tree (k its nodes, num_accepted the depth kept)
@@ -113,6 +116,7 @@ def decoded_round(response: verify_pb2.DecodeResponse, seconds: float, wire_byte
         verify_server_seconds=max(0.0, response.server_seconds - draft),
         verify_forward_seconds=response.forward_seconds,
         verify_kernel_seconds=response.kernel_seconds,
+        verify_mask_seconds=response.mask_seconds,
         wire_bytes=wire_bytes,
         tree=response.tree,
         logprobs=tuple(response.logprobs),

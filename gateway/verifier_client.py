@@ -45,6 +45,7 @@ async def prefill(session, prompt_logprobs: int | None = None, copy_of: str = ""
         prompt_top_logprobs=prompt_logprobs or 0,
         copy_of=copy_of,
         prompt_length=len(session.plan.prompt_token_ids),
+        grammar=session.plan.grammar.to_proto() if session.plan.grammar is not None else None,
     )
     return await call_verifier(session, "Prefill", request)
 

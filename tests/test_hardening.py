@@ -57,9 +57,11 @@ def test_hostile_requests_get_4xx_never_a_5xx_or_a_dropped_connection(keyed):
 @pytest.mark.parametrize(
     "fields, param",
     [({"temperature": 1e300}, "temperature"), ({"top_p": 1e-300}, "top_p"), ({"presence_penalty": 5}, "presence_penalty"),
-     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
+     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"response_format": {"type": "json_schema"}}, "response_format"),
      ({"tools": [{"type": "function"}]}, "tools"), ({"min_p": -0.1}, "min_p"), ({"stop_token_ids": [10**7]}, "stop_token_ids"),
-     ({"use_beam_search": True}, "use_beam_search"), ({"stop": ["x"] * 65}, "stop")],
+     ({"use_beam_search": True}, "use_beam_search"), ({"stop": ["x"] * 65}, "stop"),
+     ({"guided_regex": "(a|"}, "guided_regex"), ({"structured_outputs": {"json": {"type": "strin"}}}, "structured_outputs"),
+     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex")],
 )  # fmt: skip
 def test_a_parameter_out_of_range_or_not_supported_is_a_400_that_names_it(keyed, fields, param):
     body = {"prompt": "hi", "max_tokens": 2, **fields}
