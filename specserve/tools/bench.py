@@ -552,7 +552,8 @@ def results(rows: list[Row]) -> list[dict]:
             record["speedup_band"] = speedup_band(row, baseline)
         record["ms_per_round"] = {k: row.per_round(k) * 1000 for k in
                                   ("draft_server_seconds", "draft_seconds", "verify_forward_seconds",
-                                   "verify_kernel_seconds", "verify_seconds", "wire_seconds")}  # fmt: skip
+                                   "verify_kernel_seconds", "verify_mask_seconds", "verify_seconds",
+                                   "wire_seconds")}  # fmt: skip
         record["rounds_by_k"] = row.rounds_by_k
         positions = row.accepted_per_position
         record["acceptance_by_position"] = [n / row.num_drafts for n in positions] if row.num_drafts else []
@@ -705,8 +706,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_request_fields,
         default={},
         metavar="JSON",
-        help="fields every request of the stack's rows sends, target-only's too, e.g. "
-        '\'{"presence_penalty": 0.5, "logprobs": 1}\' (transformers rows ignore them)',
+        help="fields every request of the stack's rows sends, target-only's too, e.g. '{\"logprobs\": 1}' or a "
+        "structured output '{\"response_format\": ...}' (transformers rows ignore them)",
     )
     parser.add_argument("--output", default="bench-results", help="directory for bench.json, bench.md and PNGs")
     return parser

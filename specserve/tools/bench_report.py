@@ -83,8 +83,9 @@ def _cells(values) -> str:
 
 def round_split(records: list[dict]) -> str:
     """ms per round of each stack row: drafting, the verify forward, the rest (decision,
-    bookkeeping, wire, gateway), and the K each round verified."""
-    header = "workload|T|clients|method|target step ms|draft|verify forward|rest|round|rounds by K".split("|")
+    bookkeeping, wire, gateway), and the K each round verified; with structured outputs, the
+    grammar's masks, made alongside the forward (not a part of the round's sum)."""
+    header = "workload|T|clients|method|target step ms|draft|verify forward|rest|round|masks|rounds by K".split("|")
     lines = [_cells(header), "|" + "---|" * len(header)]
     for r in records:
         if r["method"] in LOCAL or not r.get("ms_per_round"):
@@ -95,7 +96,7 @@ def round_split(records: list[dict]) -> str:
         by_k = " ".join(f"{k}:{n}" for k, n in sorted(r.get("rounds_by_k", {}).items(), key=lambda kv: int(kv[0])))
         cells = [r["workload"], r["temperature"], r["clients"], r["label"], _f(r.get("target_step_ms"))]
         cells += [f"{ms['draft_server_seconds']:.2f}", f"{ms['verify_forward_seconds']:.2f}", f"{rest:.2f}"]
-        lines.append(_cells([*cells, f"{total:.2f}", by_k]))
+        lines.append(_cells([*cells, f"{total:.2f}", f"{ms.get('verify_mask_seconds', 0.0):.2f}", by_k]))
     return "\n".join(lines)
 
 
