@@ -12,7 +12,7 @@ from specserve.sampling import draw_noise, processed_probs, tree_verify_uniforms
 from specserve.trees import depths
 from specserve_kernels.rejection import greedy_verify, rejection_sample
 from specserve_kernels.tree import tree_rejection_sample
-from verify_service.grammar_rounds import mask_logits
+from verify_service.grammar_rounds import mask_logits, round_paths
 
 
 def decide(rows: list, device: torch.device) -> list[tuple[int, int]]:
@@ -244,12 +244,7 @@ def process_logits(row, eos: tuple[int, ...]) -> None:
         return
     tokens = row.session.tokens
     prompt, output = tokens[: row.session.prompt_length], tokens[row.session.prompt_length :]
-    if row.parents is None:
-        added = [row.feed[1 : r + 1] for r in range(row.logits.shape[0])]
-    else:
-        added = [[]]
-        for node in range(1, len(row.parents)):
-            added.append([*added[row.parents[node]], row.feed[node]])
+    added = round_paths(row, row.logits.shape[0])
     raw = row.logits
     if processing.active:
         row.logits = processing.apply(row.logits, prompt, output, added, eos)

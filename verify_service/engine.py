@@ -333,29 +333,27 @@ class Verifier:
 
     def _forward(self, rows: list[Row]) -> None:
         masking = self.grammar_rounds.before_forward(rows)  # the grammars' masks, alongside
+        budget = self.config.max_batched_tokens
         try:
             scoring = [row for row in rows if row.prompt_logprobs is not None]  # each alone, in chunks, first
-            again = {id(row) for row in scoring if score_prompt(self.backend, row, self.config.max_batched_tokens)}
+            again = {id(row) for row in scoring if score_prompt(self.backend, row, budget)}
             chains = [r for r in rows if r.parents is None and (r.prompt_logprobs is None or id(r) in again)]
             forward_rows = [ForwardRow(row.session.sequence, row.feed, len(row.drafts) + 1) for row in chains]
-            results = forward_in_budget(self.backend, forward_rows, self.config.max_batched_tokens)
-        finally:  # the masks touch the sessions' grammars: done before anything else may
-            if masking is not None:
-                wait([masking])
-        for row, (logits, argmax) in zip(chains, results):
-            row.logits, row.argmax = logits, argmax
-        if masking is not None:
-            masking.result()
-        for row in [*chains, *(row for row in scoring if id(row) not in again)]:
-            process_logits(row, self.loaded.eos_token_ids)
-        trees = [row for row in rows if row.parents is not None]
-        if trees:
+            for row, (logits, argmax) in zip(chains, forward_in_budget(self.backend, forward_rows, budget)):
+                row.logits, row.argmax = logits, argmax
+            trees = [row for row in rows if row.parents is not None]
             parts = [tree_nodes(self.backend, row) for row in trees]
-            for row, (logits, argmax) in zip(trees, self.backend.forward_trees(parts)):
+            for row, (logits, argmax) in zip(trees, self.backend.forward_trees(parts) if trees else ()):
                 row.logits, row.argmax = logits, argmax
                 if row.window:  # the window's guesses to its session; the decision reads the rest
                     row.session.drafts.lookahead.learn(split_window(row))
-                process_logits(row, self.loaded.eos_token_ids)
+        finally:  # the masks touch the sessions' grammars: done before anything else may
+            if masking is not None:
+                wait([masking])
+        if masking is not None:
+            masking.result()
+        for row in [*chains, *(row for row in scoring if id(row) not in again), *trees]:
+            process_logits(row, self.loaded.eos_token_ids)
 
     def _commit(self, row: Row, num_accepted: int, next_token: int) -> Outcome:
         kept = row.drafts if row.path is None else keep_path(self.backend, row)

@@ -33,17 +33,32 @@ class GrammarRounds:
                 row.forced = jump_forward(row, min(room, self.max_speculative_tokens))
 
     def before_forward(self, rows: list) -> Future | None:
-        """Cuts each chain's drafts where its grammar refuses one, then starts the chains'
-        masks; None where no row has a grammar."""
-        chains = [row for row in rows if row.session.grammar is not None and row.parents is None]
-        for row in chains:
-            if row.drafts:
+        """Cuts each chain's drafts where its grammar refuses one, then starts the masks of
+        every row with a grammar (a tree's candidates: not a lookahead window's nodes, which
+        the decision does not read); None where no row has one."""
+        grammared = [row for row in rows if row.session.grammar is not None]
+        for row in grammared:
+            if row.drafts and row.parents is None:
                 trim_drafts(row)
-        if not chains:
+        if not grammared:
             return None
+        for row in grammared:
+            positions = 1 if row.is_prefill else len(row.feed) - row.window
+            row.grammar_paths = round_paths(row, positions)
         if self._masker is None:
             self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        return self._masker.submit(chain_masks, chains)
+        return self._masker.submit(make_masks, grammared)
+
+
+def round_paths(row, positions: int) -> list[list[int]]:
+    """The round's tokens before each of the row's first positions, after the session's: a
+    chain's drafts before it, a tree node's path."""
+    if row.parents is None:
+        return [list(row.feed[1 : r + 1]) for r in range(positions)]
+    paths = [[]]
+    for node in range(1, positions):
+        paths.append([*paths[row.parents[node]], row.feed[node]])
+    return paths
 
 
 def jump_forward(row, limit: int) -> bool:
@@ -75,15 +90,14 @@ def trim_drafts(row) -> None:
     row.feed = row.feed[: keep + 1]
 
 
-def chain_masks(rows: list) -> None:
-    """Each chain row's masks as bits, one row per position of its forward
-    (row.grammar_masks), and the CPU time they took: on a helper thread while the forward
-    runs (llguidance lets the GIL go). No torch op runs here: one on another thread starts
-    a second OpenMP pool, whose spinning threads would take the forward's cores."""
+def make_masks(rows: list) -> None:
+    """Each row's masks as bits, one row per path of row.grammar_paths (row.grammar_masks),
+    and the CPU time they took: on a helper thread while the forward runs (llguidance lets
+    the GIL go). No torch op runs here: one on another thread starts a second OpenMP pool,
+    whose spinning threads would take the forward's cores."""
     for row in rows:
         started = time.thread_time()
-        paths = [list(row.feed[1 : r + 1]) for r in range(len(row.drafts) + 1)]
-        row.grammar_masks = row.session.grammar.bitmasks(paths)  # [K + 1, words]
+        row.grammar_masks = row.session.grammar.bitmasks(row.grammar_paths)  # [positions, words]
         row.mask_seconds = time.thread_time() - started
 
 
@@ -94,7 +108,7 @@ def mask_logits(row, raw: torch.Tensor, added: list[list[int]]) -> None:
     grammar's mask applies to the raw logits instead: the output follows the grammar first."""
     grammar, bits = row.session.grammar, row.grammar_masks
     started = time.perf_counter()
-    if bits is None or bits.shape[0] != row.logits.shape[0]:
+    if bits is None or row.grammar_paths != added:  # a tree pruned after its masks were made
         bits = grammar.bitmasks(added)
     allowed = fit(grammar.allowed(bits), row.logits.shape[-1]).to(row.logits.device)  # [rows, vocab]
     row.mask_seconds += time.perf_counter() - started

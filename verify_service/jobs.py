@@ -173,7 +173,8 @@ class Row:
     batch_size: int = field(default=1)
     drafted_locally: bool = False  # a speculative decode's round with drafts, the verifier's own
     forced: bool = False  # its drafts are its grammar's forced tokens (jump-forward)
-    grammar_masks: torch.Tensor | None = None  # [rows, vocab] bool: what its grammar allows at each position
+    grammar_paths: list | None = None  # the round's tokens before each position its grammar masks
+    grammar_masks: object | None = None  # their masks as bits, int32 [positions, words] (numpy)
     mask_seconds: float = 0.0
     parents: list[int] | None = None  # a token tree's: the parent of each node of feed (root -1)
     path: list[int] | None = None  # a token tree's nodes kept, from its decision
