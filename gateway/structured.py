@@ -12,7 +12,8 @@ from specserve.grammar import Grammar
 ANY_JSON_OBJECT = {"type": "object"}
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
-IGNORED_KEYS = ("disable_fallback", "disable_additional_properties", "backend")
+IGNORED_KEYS = ("disable_fallback", "backend")  # vLLM's choice among libraries: this server has one
+REFUSED_KEYS = ("whitespace_pattern", "disable_additional_properties")  # not implemented: a 400 where set
 
 
 def grammar_of(request) -> tuple[str, Grammar] | None:
@@ -53,12 +54,13 @@ def _structured(value, field: str) -> Grammar | None:
         return None
     if not isinstance(value, dict):
         raise bad_request(f"{field} is an object: one of {', '.join(STRUCTURED_KEYS)}", field)
-    known = (*STRUCTURED_KEYS, *IGNORED_KEYS, "whitespace_pattern", "disable_any_whitespace")
+    known = (*STRUCTURED_KEYS, *IGNORED_KEYS, *REFUSED_KEYS, "disable_any_whitespace")
     unknown = [key for key in value if key not in known]
     if unknown:
         raise bad_request(f"{field} takes {', '.join(STRUCTURED_KEYS)}; not {', '.join(unknown)}", field)
-    if value.get("whitespace_pattern") is not None:
-        raise bad_request(f"{field}.whitespace_pattern is not supported", field)
+    refused = [key for key in REFUSED_KEYS if value.get(key) not in (None, False)]
+    if refused:
+        raise bad_request(f"{field}.{refused[0]} is not supported; leave it out", field)
     asked = [key for key in STRUCTURED_KEYS if value.get(key) not in (None, False)]
     if len(asked) != 1:
         raise bad_request(f"{field} asks for exactly one of {', '.join(STRUCTURED_KEYS)}", field)

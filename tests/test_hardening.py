@@ -61,7 +61,8 @@ def test_hostile_requests_get_4xx_never_a_5xx_or_a_dropped_connection(keyed):
      ({"tools": [{"type": "function"}]}, "tools"), ({"min_p": -0.1}, "min_p"), ({"stop_token_ids": [10**7]}, "stop_token_ids"),
      ({"use_beam_search": True}, "use_beam_search"), ({"stop": ["x"] * 65}, "stop"),
      ({"guided_regex": "(a|"}, "guided_regex"), ({"structured_outputs": {"json": {"type": "strin"}}}, "structured_outputs"),
-     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex")],
+     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+     ({"structured_outputs": {"json": {}, "disable_additional_properties": True}}, "structured_outputs")],
 )  # fmt: skip
 def test_a_parameter_out_of_range_or_not_supported_is_a_400_that_names_it(keyed, fields, param):
     body = {"prompt": "hi", "max_tokens": 2, **fields}
