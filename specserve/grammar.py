@@ -205,9 +205,7 @@ class GrammarState:
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
         bits = allocate_token_bitmask(len(paths), self.vocab_size)  # [rows, words], all allowed
-        for r, path in enumerate(paths):
-            if self.ended:
-                break
+        for r, path in enumerate(paths if not self.ended else ()):
             consumed = self.matcher.try_consume_tokens(list(path)) if path else 0
             if consumed < len(path):
                 self.matcher.rollback(consumed)
@@ -233,13 +231,14 @@ class GrammarState:
     def masked(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
         """logits [rows, vocab'] with the tokens the grammar forbids after each path at -inf
         (vocab' may differ from the target's: a draft's output layer)."""
-        allowed = fit(self.masks(paths), logits.shape[-1])  # [rows, vocab']
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        return mask_with(logits, self.masks(paths))
 
 
-def fit(allowed: torch.Tensor, width: int) -> torch.Tensor:
-    """allowed [rows, vocab] cut or padded to width ids (a draft's output layer may be
-    narrower or wider than the target's vocabulary); an id past the vocabulary is refused."""
+def mask_with(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab'] with the ids that allowed [rows, vocab] refuses at -inf. vocab'
+    may be narrower or wider than vocab (a draft's output layer): an id past the vocabulary
+    is refused."""
+    width = logits.shape[-1]
     if width > allowed.shape[1]:
-        return torch.cat([allowed, allowed.new_zeros(allowed.shape[0], width - allowed.shape[1])], 1)
-    return allowed[:, :width]
+        allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], width - allowed.shape[1])], 1)
+    return logits.masked_fill(~allowed[:, :width].to(logits.device), float("-inf"))

@@ -238,7 +238,11 @@ class Verifier:
         row's K from its session's chooser, its drafts into the row (a grammar's forced
         tokens instead, where it forces some)."""
         self.grammar_rounds.jump_forward(jobs, rows, self.loaded.max_context_length)
-        speculative = [(jobs[i], row) for i, row in rows if getattr(jobs[i], "speculation", None) and not row.forced]
+        speculative = [
+            (jobs[i], row)
+            for i, row in rows
+            if isinstance(jobs[i], DecodeJob) and jobs[i].speculation is not None and not row.forced
+        ]
         if not speculative:
             return None
         wanted = []

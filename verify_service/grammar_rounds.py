@@ -11,7 +11,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from specserve.context_lookup import one_hot
-from specserve.grammar import fit
+from specserve.grammar import mask_with
+from verify_service.jobs import DecodeJob
 
 
 class GrammarRounds:
@@ -28,7 +29,7 @@ class GrammarRounds:
         whatever its method (none included); its method drafts the rounds after."""
         for i, row in rows:
             job = jobs[i]
-            if row.session.grammar is not None and hasattr(job, "max_tokens"):  # a DecodeJob
+            if row.session.grammar is not None and isinstance(job, DecodeJob):
                 room = min(job.max_tokens, max_context_length - len(row.session.tokens)) - 1
                 row.forced = jump_forward(row, min(room, self.max_speculative_tokens))
 
@@ -110,10 +111,10 @@ def mask_logits(row, raw: torch.Tensor, added: list[list[int]]) -> None:
     started = time.perf_counter()
     if bits is None or row.grammar_paths != added:  # a tree pruned after its masks were made
         bits = grammar.bitmasks(added)
-    allowed = fit(grammar.allowed(bits), row.logits.shape[-1]).to(row.logits.device)  # [rows, vocab]
+    allowed = grammar.allowed(bits)  # [rows, vocab]
     row.mask_seconds += time.perf_counter() - started
-    masked = row.logits.masked_fill(~allowed, float("-inf"))
+    masked = mask_with(row.logits, allowed)
     dead = torch.isinf(masked).all(-1)
     if bool(dead.any()):
-        masked[dead] = raw.float()[dead].masked_fill(~allowed[dead], float("-inf"))
+        masked[dead] = mask_with(raw.float()[dead], allowed[dead.cpu()])
     row.logits = masked
