@@ -5,6 +5,7 @@ itself), and with a draft service of its own (`--draft-service`)."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,7 +26,25 @@ from specserve.medusa import MedusaConfig, MedusaHeads, save_heads  # noqa: E402
 from specserve.tools.testing import save_pair  # noqa: E402
 
 
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A free loopback port below the kernel's ephemeral range: a port the kernel picked
+    (bind to 0) can be handed to a client's outgoing connection before the stack binds it."""
+    floor = _ephemeral_floor()
+    for _ in range(100):
+        port = random.randrange(10000, max(floor, 10001))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
