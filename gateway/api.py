@@ -275,6 +275,7 @@ def plan_for(
     prompt_token_ids: list[int],
     served: ServedModel,
     defaults: GatewayConfig,
+    *,
     tenant: str = "",
     bad_words: tuple[tuple[int, ...], ...] = (),
     grammar: Grammar | None = None,

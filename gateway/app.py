@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from jinja2 import TemplateError
 
-from gateway.api import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    check_model,
-    plan_for,
-    template_variables,
-)
+from gateway.api import ChatCompletionRequest, CompletionRequest, check_model
 from gateway.clients import (
     Backends,
     IncompatibleModels,
@@ -30,122 +19,16 @@ from gateway.clients import (
     wait_for_model_info,
 )
 from gateway.config import GatewayConfig
-from gateway.errors import bad_request
 from gateway.guard import Guard, add_error_handlers
-from gateway.responses import MAX_PROMPTS, chat_complete, complete
-from gateway.rounds import GenerationPlan
-from gateway.structured import grammar_of
+from gateway.responses import chat_complete, complete
+from gateway.state import Gateway
 from gateway.vllm_routes import add_vllm_routes
-from specserve.errors import InvalidArgument
-from specserve.grammar import Grammar, Grammars
-from specserve.serving.metrics import GatewayMetrics
 from specserve.v1 import draft_pb2_grpc, verify_pb2_grpc
 from specserve.v1.common_pb2 import ModelInfo, ModelInfoRequest
 
 log = logging.getLogger(__name__)
 
-# Used when the tokenizer has no chat template of its own; documented in the README.
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
 UNTRACED_PATHS = ("/health", "/ping", "/metrics")
-TOKENIZER_THREADS = 2
-
-
-@dataclass
-class Gateway:
-    config: GatewayConfig
-    served: ServedModel | None  # None while starting: the verify service has not answered yet
-    tokenizer: object
-    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
-    backends: Backends | None = None
-    in_flight: int = 0  # requests being generated (touched only on the event loop)
-    fatal: BaseException | None = None  # why the gateway could not start
-    stopping: threading.Event = field(default_factory=threading.Event)
-    seen_ready: bool = False  # a verifier has reported SERVING once: "unavailable", not "starting", after
-    background: list = field(default_factory=list)  # its start-up and watching tasks
-    tokenizer_threads: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
-    )
-    _thread_tokenizers: threading.local = field(default_factory=threading.local)
-    grammars: Grammars | None = None  # structured outputs' grammars compiled for the tokenizer, once served
-
-    def crowded(self) -> bool:
-        """Whether more requests run than speculation pays for (max_speculating_requests)."""
-        limit = self.config.max_speculating_requests
-        return limit > 0 and self.in_flight > limit
-
-    def plan(self, request, prompt_token_ids: list[int], tenant: str = "", grammar=None) -> GenerationPlan:
-        return plan_for(request, prompt_token_ids, self.served, self.config, tenant, self.bad_words(request), grammar)
-
-    def grammar(self, request, tokenizer=None) -> Grammar | None:
-        """The request's structured output (gateway/structured.py), compiled here once to
-        answer a 400 that names what the grammar library refuses (off the event loop: a large
-        schema compiles for tens of milliseconds)."""
-        asked = grammar_of(request)
-        if asked is None:
-            return None
-        name, grammar = asked
-        if self.grammars is None:
-            eos = tuple(sorted(self.served.eos_token_ids))
-            self.grammars = Grammars(self.tokenizer, self.served.vocab_size, eos)
-        try:
-            self.grammars.compiled(grammar)
-        except InvalidArgument as error:
-            raise bad_request(f"{name}: {error}", name) from None
-        return grammar
-
-    def bad_words(self, request) -> tuple[tuple[int, ...], ...]:
-        """vLLM's bad_words as token sequences: each word as written and after a space."""
-        words = request.bad_words or []
-        variants = {w for word in words for w in (word, " " + word.lstrip()) if w.strip()}
-        encoded = {tuple(self.tokenizer(w, add_special_tokens=False)["input_ids"]) for w in sorted(variants)}
-        return tuple(sorted(sequence for sequence in encoded if sequence))
-
-    def completion_prompts(self, request: CompletionRequest, tokenizer) -> tuple[list[list[int]], list]:
-        """Each prompt's token ids, and its text (None: given as ids): a completion may carry a
-        batch, strings or lists of token ids (vLLM's)."""
-        prompts = request.prompt
-        if isinstance(prompts, str) or not prompts or isinstance(prompts[0], int):
-            prompts = [prompts]
-        if len(prompts) > MAX_PROMPTS:
-            raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        return [list(tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts], texts
-
-    def chat_prompt(self, request, tokenizer, add_special_tokens: bool = False, tools=None) -> list[int]:
-        """The messages rendered by the model's chat template, as token ids (request: a chat
-        completion's or /tokenize's)."""
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
-        try:
-            text = tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                chat_template=template,
-                tools=tools,
-                **template_variables(request.chat_template_kwargs),
-            )
-        except (TemplateError, ValueError, TypeError, KeyError, IndexError) as error:
-            raise bad_request(f"the model's chat template refused these messages: {error}", "messages") from None
-        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-
-    async def off_loop(self, work, request):
-        """work(request, tokenizer) in the tokenizer threads, each with a tokenizer of its own
-        (a fast tokenizer set to truncate or pad is not to be shared): a long prompt's
-        tokenization must not hold up the event loop (other requests' rounds, health probes)."""
-
-        def run():
-            tokenizer = getattr(self._thread_tokenizers, "tokenizer", None)
-            if tokenizer is None:
-                tokenizer = self._thread_tokenizers.tokenizer = copy.deepcopy(self.tokenizer)
-            return work(request, tokenizer)
-
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_threads, run)
 
 
 def create_app(config: GatewayConfig, tokenizer, fingerprint: str, on_fatal=None) -> FastAPI:
@@ -153,7 +36,7 @@ def create_app(config: GatewayConfig, tokenizer, fingerprint: str, on_fatal=None
     until the verify service has answered with a model the tokenizer (its fingerprint)
     belongs to; a draft service is waited for up to draft_startup_wait_s, then watched for.
     A pair that cannot be served is logged in one line and on_fatal() stops the server."""
-    gateway = Gateway(config, None, tokenizer)
+    gateway = Gateway(config, tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

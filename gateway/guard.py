@@ -10,7 +10,6 @@ import logging
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 import grpc
 from fastapi import FastAPI, Request
@@ -19,9 +18,7 @@ from fastapi.responses import JSONResponse
 
 from gateway.errors import ApiError, bad_request
 from gateway.replicas import NoReplica
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
+from gateway.state import Gateway
 
 log = logging.getLogger("gateway.app")
 access = logging.getLogger("gateway.access")
@@ -69,8 +66,15 @@ class Guard:
             finally:
                 if scope["path"] not in OPEN_PATHS:  # an access log line per request (probes and scrapes aside)
                     client = (scope.get("client") or ("-", 0))[0]
-                    access.info('%s "%s %s" %d %.3fs request_id=%s', client, scope["method"], scope["path"],
-                                status or 500, time.perf_counter() - since, request_id)  # fmt: skip
+                    access.info(
+                        '%s "%s %s" %d %.3fs request_id=%s',
+                        client,
+                        scope["method"],
+                        scope["path"],
+                        status or 500,
+                        time.perf_counter() - since,
+                        request_id,
+                    )
         except Exception as error:  # noqa: BLE001 - the last resort: no request takes the gateway down
             log.exception("request %s failed unexpectedly: %s %s", request_id, scope["method"], scope["path"])
             if not started:

@@ -11,7 +11,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 from fastapi import Request
@@ -24,23 +23,21 @@ from gateway.generation import generate
 from gateway.guard import GRPC_TO_HTTP
 from gateway.logprobs import ChoiceOutputs
 from gateway.observe import RequestObserver
+from gateway.prompts import MAX_PROMPTS, chat_prompt, completion_prompts
 from gateway.replicas import NoReplica
 from gateway.rounds import GenerationPlan
+from gateway.state import Gateway
 from gateway.text import TextAssembler
 
-if TYPE_CHECKING:
-    from gateway.app import Gateway
-
 log = logging.getLogger("gateway.app")
-
-MAX_PROMPTS = 16  # a completion's batch of prompts, and its choices (prompts times n) in all
 
 
 class _Response:
     """Builds OpenAI response objects for one request (completion or chat)."""
 
-    def __init__(self, chat: bool, model: str, request):
+    def __init__(self, chat: bool, model: str, request, request_id: str = ""):
         self.chat = chat
+        self.request_id = request_id  # the guard's x-request-id
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
@@ -51,8 +48,14 @@ class _Response:
         self.continuous_usage = request.stream and request.continuous_usage()
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
-        body = {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices,
-                "system_fingerprint": None}  # fmt: skip
+        body = {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "system_fingerprint": None,
+        }
         if self.chat:  # vLLM's chat answers carry the prompt's ids and logprobs beside the choices
             body["service_tier"] = None
             for choice in choices:
@@ -84,8 +87,15 @@ class _Response:
     def choice(self, index: int, text: str, assembler, extra: dict) -> dict:
         finish_reason = assembler.finish_reason
         if self.chat:
-            message = {"role": self.role, "content": text, "refusal": None, "annotations": None, "audio": None,
-                       "function_call": None, "tool_calls": []}  # fmt: skip
+            message = {
+                "role": self.role,
+                "content": text,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "tool_calls": [],
+            }
             choice = {"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -170,7 +180,7 @@ async def respond(
     each prompt's text, for echo."""
     stats = SpeculationStats()
     request_id = http.scope["state"].get("request_id", "") if http is not None else ""
-    response = _Response(chat, gateway.served.name, request)
+    response = _Response(chat, gateway.served.name, request, request_id)
     runs, n = [], response.n
     for number, plan in enumerate(plans):
         # A prompt's sampled choices share its prefill: the first prefills, the others copy its
@@ -178,27 +188,8 @@ async def respond(
         copies = n > 1 and plan.prompt_logprobs is None and not plan.sampling.is_greedy
         shared = asyncio.get_running_loop().create_future() if copies else None
         for j in range(n):
-            choice = choice_plan(plan, j)
-            observer = RequestObserver(
-                gateway.metrics, chat, gateway.served.name, choice, request_id, n if j == 0 else 0
-            )
-            outputs = ChoiceOutputs(gateway.tokenizer, request, choice, chat, texts[number] if texts else None)
-            rounds = generate(
-                gateway.clients, choice, stats, observer.context, gateway.metrics, gateway.crowded, outputs.logprobs,
-                shared, leads=j == 0,
-            )  # fmt: skip
-            ends = frozenset() if plan.sampling.ignore_eos else gateway.served.eos_token_ids
-            stops = ends | frozenset(plan.sampling.processing.stop_token_ids)
-            include = bool(request.include_stop_str_in_output)
-            assembler = TextAssembler(gateway.tokenizer, stops, request.stop_strings(), plan.max_tokens, include,
-                                      plan.sampling.processing.min_tokens, request.skip_special_tokens,
-                                      frozenset(plan.sampling.processing.stop_token_ids))  # fmt: skip
-            if plan.max_tokens == 0:
-                assembler.finish_reason = "length"  # the prompt's logprobs only
-            index = number * n + j
-            runs.append(
-                _Run(index, choice, rounds, assembler, stats, observer, response, request.return_timings, outputs)
-            )
+            text = texts[number] if texts else None
+            runs.append(_start_run(gateway, request, response, stats, plan, number * n + j, j, shared, text))
     if request.stream:
         firsts = []
         try:
@@ -214,6 +205,51 @@ async def respond(
         return Response(status_code=499)  # nobody reads it
     choices = [run.choice(text) for run, text in zip(runs, texts)]
     return response.full(choices, _usage(runs))
+
+
+def _start_run(
+    gateway: Gateway,
+    request,
+    response: _Response,
+    stats: SpeculationStats,
+    plan: GenerationPlan,
+    index: int,
+    j: int,
+    shared: asyncio.Future | None,
+    text: str | None,
+) -> _Run:
+    """Choice j of a prompt's plan (index: its place in the answer): its rounds begun, and
+    the assembler that turns them into text."""
+    choice = choice_plan(plan, j)
+    first = response.n if j == 0 else 0
+    observer = RequestObserver(gateway.metrics, response.chat, gateway.served.name, choice, response.request_id, first)
+    outputs = ChoiceOutputs(gateway.tokenizer, request, choice, response.chat, text)
+    rounds = generate(
+        gateway.clients,
+        choice,
+        stats,
+        parent=observer.context,
+        metrics=gateway.metrics,
+        crowded=gateway.crowded,
+        logprobs=outputs.logprobs,
+        prefilled=shared,
+        leads=j == 0,
+    )
+    processing = plan.sampling.processing
+    ends = frozenset() if plan.sampling.ignore_eos else gateway.served.eos_token_ids
+    assembler = TextAssembler(
+        gateway.tokenizer,
+        ends | frozenset(processing.stop_token_ids),
+        request.stop_strings(),
+        plan.max_tokens,
+        include_stop=bool(request.include_stop_str_in_output),
+        min_tokens=processing.min_tokens,
+        skip_special_tokens=request.skip_special_tokens,
+        stop_token_ids=frozenset(processing.stop_token_ids),
+    )
+    if plan.max_tokens == 0:
+        assembler.finish_reason = "length"  # the prompt's logprobs only
+    return _Run(index, choice, rounds, assembler, stats, observer, response, request.return_timings, outputs)
 
 
 async def _all_texts(runs: list[_Run], http: Request | None) -> list[str] | None:
@@ -344,7 +380,7 @@ def _sse(body: dict) -> str:
 async def complete(gateway: Gateway, request, http: Request):
     """A completion request's answer: each of its prompts' n choices."""
     check_model(request.model, gateway.served)
-    prompts, texts = await gateway.off_loop(gateway.completion_prompts, request)
+    prompts, texts = await gateway.off_loop(completion_prompts, request)
     if len(prompts) * (request.n or 1) > MAX_PROMPTS:  # each choice holds a verifier session
         raise bad_request(f"prompts times n is at most {MAX_PROMPTS} per request", "n")
     grammar = await gateway.off_loop(gateway.grammar, request)
@@ -356,7 +392,7 @@ async def chat_complete(gateway: Gateway, request, http: Request):
     """A chat completion request's answer."""
     check_model(request.model, gateway.served)
     check_unsupported(request)  # before the template renders the messages
-    prompt = await gateway.off_loop(gateway.chat_prompt, request)
+    prompt = await gateway.off_loop(chat_prompt, request)
     grammar = await gateway.off_loop(gateway.grammar, request)
     plan = gateway.plan(request, prompt, http.scope["state"].get("tenant", ""), grammar)
     return await respond(gateway, request, [plan], chat=True, http=http)

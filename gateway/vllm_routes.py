@@ -3,19 +3,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from gateway.api import ChatCompletionRequest, ChatMessage, CompletionRequest, check_model
 from gateway.errors import bad_request
+from gateway.prompts import chat_prompt
 from gateway.responses import chat_complete, complete
+from gateway.state import Gateway
 from specserve import __version__
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 
 class TokenizeRequest(BaseModel):
@@ -66,7 +63,7 @@ def add_vllm_routes(app: FastAPI, gateway: Gateway) -> None:
             if request.add_generation_prompt and request.continue_final_message:
                 raise bad_request("add_generation_prompt and continue_final_message cannot both be true", "messages")
             special = bool(request.add_special_tokens)
-            tokens = await gateway.off_loop(lambda r, t: gateway.chat_prompt(r, t, special, r.tools), request)
+            tokens = await gateway.off_loop(lambda r, t: chat_prompt(r, t, special, r.tools), request)
         else:
             text, special = request.prompt or "", request.add_special_tokens is not False
             tokens = await gateway.off_loop(lambda _, t: list(t(text, add_special_tokens=special)["input_ids"]), None)

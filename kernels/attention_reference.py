@@ -30,7 +30,7 @@ def exact_attention_reference(
         low = max(0, position + 1 - window) if window else 0
         keys = k_cache[slot, None, :, low : position + 1]  # [1, kv_heads, keys, d], a view
         values = v_cache[slot, None, :, low : position + 1]
-        outs.append(F.scaled_dot_product_attention(
-            queries[t], keys, values, scale=scale, enable_gqa=heads != keys.shape[1]
-        ))  # fmt: skip
+        outs.append(
+            F.scaled_dot_product_attention(queries[t], keys, values, scale=scale, enable_gqa=heads != keys.shape[1])
+        )
     return torch.cat(outs, dim=0)[:, :, 0]  # [T, heads, d]

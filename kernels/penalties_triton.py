@@ -58,8 +58,17 @@ def apply_penalties_triton(
         assert tensor.shape == (entries,) and tensor.dtype == dtype and tensor.is_contiguous(), "entries: [E] each"
     if entries:
         _penalties_kernel[(triton.cdiv(entries, ENTRY_BLOCK),)](
-            scores, rows, tokens, counts, seen, entries, scores.shape[1],
-            float(presence), float(frequency), float(repetition), BLOCK=ENTRY_BLOCK,
+            scores,
+            rows,
+            tokens,
+            counts,
+            seen,
+            entries,
+            scores.shape[1],
+            float(presence),
+            float(frequency),
+            float(repetition),
+            BLOCK=ENTRY_BLOCK,
             enable_fp_fusion=False,  # torch's rounding: a product, then a difference
-        )  # fmt: skip
+        )
     return scores

@@ -161,11 +161,22 @@ def rejection_sample_triton(
     if batch == 0:
         return output, num_accepted
     _rejection_sample_kernel[(batch,)](
-        output, num_accepted, target_probs, draft_token_ids, num_draft_tokens,
-        draft_q_ids, draft_q_probs, uniforms, exponentials,
-        k_max, vocab, support,
-        K_BLOCK=_pow2(k_max + 1), S_BLOCK=_pow2(support), V_BLOCK=VOCAB_BLOCK,
-    )  # fmt: skip
+        output,
+        num_accepted,
+        target_probs,
+        draft_token_ids,
+        num_draft_tokens,
+        draft_q_ids,
+        draft_q_probs,
+        uniforms,
+        exponentials,
+        k_max,
+        vocab,
+        support,
+        K_BLOCK=_pow2(k_max + 1),
+        S_BLOCK=_pow2(support),
+        V_BLOCK=VOCAB_BLOCK,
+    )
     return output, num_accepted
 
 
@@ -183,10 +194,16 @@ def greedy_verify_triton(
     if batch == 0:
         return output, num_accepted
     _greedy_verify_kernel[(batch,)](
-        output, num_accepted, target_logits, draft_token_ids, num_draft_tokens,
-        k_max, vocab,
-        K_BLOCK=_pow2(k_max + 1), V_BLOCK=VOCAB_BLOCK,
-    )  # fmt: skip
+        output,
+        num_accepted,
+        target_logits,
+        draft_token_ids,
+        num_draft_tokens,
+        k_max,
+        vocab,
+        K_BLOCK=_pow2(k_max + 1),
+        V_BLOCK=VOCAB_BLOCK,
+    )
     return output, num_accepted
 
 

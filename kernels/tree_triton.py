@@ -69,8 +69,11 @@ def _tree_rejection_sample_kernel(
                     mass = tl.full([], 1.0, tl.float32)
                     ids = tl.load(q_ids_ptr + (row * n_max + current) * support + ss, mask=in_support, other=-1)
                     probs = tl.load(q_probs_ptr + (row * n_max + current) * support + ss, mask=in_support, other=0.0)
-                    residual = tl.load(target_probs_ptr + (row * n_max + current) * vocab + tl.maximum(ids, 0),
-                                       mask=ids >= 0, other=0.0)  # fmt: skip
+                    residual = tl.load(
+                        target_probs_ptr + (row * n_max + current) * vocab + tl.maximum(ids, 0),
+                        mask=ids >= 0,
+                        other=0.0,
+                    )
             else:
                 # w' = max(0, w - Z q); Z' = Z - sum_s min(w_s, Z q_s), slot by slot in order.
                 scaled = mass * probs
@@ -140,8 +143,22 @@ def tree_rejection_sample_triton(
     if batch == 0:
         return output, num_accepted, path
     _tree_rejection_sample_kernel[(batch,)](
-        output, num_accepted, path, target_probs, parents, tokens, num_nodes, q_ids, q_probs, uniforms, exponentials,
-        n_max, d_max, vocab, support,
-        S_BLOCK=max(2, triton.next_power_of_2(support)), V_BLOCK=VOCAB_BLOCK,
-    )  # fmt: skip
+        output,
+        num_accepted,
+        path,
+        target_probs,
+        parents,
+        tokens,
+        num_nodes,
+        q_ids,
+        q_probs,
+        uniforms,
+        exponentials,
+        n_max,
+        d_max,
+        vocab,
+        support,
+        S_BLOCK=max(2, triton.next_power_of_2(support)),
+        V_BLOCK=VOCAB_BLOCK,
+    )
     return output, num_accepted, path

@@ -1,6 +1,8 @@
 """The source's shape, measured: module and function lengths, import cycles between the
-project's modules, and whether any tool sits in the runtime packages. Prints a report;
-exits 1 where a limit is passed (tests/test_layout.py runs it).
+project's modules (imports under `if TYPE_CHECKING:` count: a cycle hidden there is still
+two modules that cannot be read apart), `# fmt: skip` in runtime code, and whether any tool
+sits in the runtime packages. Prints a report; exits 1 where a limit is passed
+(tests/test_layout.py runs it).
 
     python scripts/layout.py
 """
@@ -17,7 +19,7 @@ TOOLS = ROOT / "specserve" / "tools"  # bench, load, fuzz, training, ...: not ru
 GENERATED = ROOT / "specserve" / "v1"
 # Commands that measure, train or test the service rather than serve.
 TOOL_MODULES = {"bench", "demo_eval", "fuzz", "load", "protogen", "testing", "trace_report", "train_demo", "workloads"}
-MAX_MODULE_LINES = 400  # runtime modules
+MAX_MODULE_LINES = 500  # runtime modules: split by responsibility, well before this
 MAX_FUNCTION_LINES = 60  # every function outside kernels/
 
 
@@ -43,19 +45,11 @@ def long_functions(tree: ast.AST) -> list[tuple[str, int]]:
 
 
 def module_imports(tree: ast.AST, name: str, known: set[str]) -> set[str]:
-    """The project's modules this one imports, anywhere in it (a lazy import inside a
-    function still ties the two together), except under `if TYPE_CHECKING:`."""
-    typing_only = {
-        id(inner)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for inner in ast.walk(node)
-    }
+    """The project's modules this one imports, anywhere in it: a lazy import inside a
+    function, or one under `if TYPE_CHECKING:`, still ties the two together."""
     package = name.rsplit(".", 1)[0] if "." in name else name
     found = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -99,6 +93,8 @@ def main() -> int:
         runtime = TOOLS not in path.parents
         if runtime and lines > MAX_MODULE_LINES:
             problems.append(f"{relative}: {lines} lines (runtime modules: at most {MAX_MODULE_LINES})")
+        if runtime and "# fmt: skip" in path.read_text():
+            problems.append(f"{relative}: `# fmt: skip` in runtime code (lay it out so the formatter agrees)")
         if relative.parts[0] != "kernels":
             for function, length in long_functions(tree):
                 problems.append(f"{relative}: {function}() is {length} lines (at most {MAX_FUNCTION_LINES})")

@@ -122,8 +122,10 @@ def load_heads(heads_dir: str | Path, target_dir: str | Path, dtype: torch.dtype
     directory = Path(heads_dir)
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         if not (directory / name).is_file():
-            raise FileNotFoundError(f"{directory / name} is missing: a Medusa heads directory has {CONFIG_NAME} "
-                                    f"and {WEIGHTS_NAME} (specserve train-medusa makes one)")  # fmt: skip
+            raise FileNotFoundError(
+                f"{directory / name} is missing: a Medusa heads directory has {CONFIG_NAME} "
+                f"and {WEIGHTS_NAME} (specserve train-medusa makes one)"
+            )
     try:
         config = MedusaConfig(**json.loads((directory / CONFIG_NAME).read_text()))
     except TypeError as error:
