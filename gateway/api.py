@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.clients import ServedModel
 from gateway.config import GatewayConfig
@@ -19,10 +19,11 @@ from gateway.request_sampling import logprob_settings, sampling_for
 from gateway.rounds import GenerationPlan
 from gateway.shapes import lookahead_of_request, tree_of_request
 from specserve.grammar import Grammar
+from specserve.methods import registry
 
 
 class Lookahead(BaseModel):
-    """Method lookahead's shape (specserve/lookahead.py); unset: the verifier's defaults."""
+    """Method lookahead's shape (specserve/methods/lookahead.py); unset: the verifier's defaults."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -34,15 +35,23 @@ class Lookahead(BaseModel):
 class Speculation(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["draft_model", "early_exit", "ngram", "suffix", "medusa", "lookahead", "none"] | None = None
+    method: str | None = None  # one of specserve/methods/registry.py's, or "none"
     num_speculative_tokens: int | None = None
     adaptive: bool | None = None
     min_draft_probability: float | None = None
     pipeline: bool | None = None
     # A token tree each round drafts: children per depth ([3, 2, 1]) or paths of ranks
-    # ([[0], [0, 0], [1]]) (specserve/trees.py).
+    # ([[0], [0, 0], [1]]) (specserve/methods/trees.py).
     tree: list[int] | list[list[int]] | None = None
     lookahead: Lookahead | None = None
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, method: str | None) -> str | None:
+        methods = (*registry.names(), registry.NONE)
+        if method is not None and method not in methods:
+            raise ValueError(f"must be one of {', '.join(methods)}")
+        return method
 
 
 class StreamOptions(BaseModel):

@@ -11,7 +11,8 @@ import grpc
 
 from gateway.replicas import DNS_SCHEME, ReplicaSet, Route, split_addresses
 from specserve.adaptive import Shared
-from specserve.trees import TreeShape
+from specserve.methods import registry
+from specserve.methods.trees import TreeShape
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2_grpc
 
 
@@ -91,7 +92,7 @@ def check_pair(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo | None,
         )
 
 
-REMOTE_METHODS = frozenset({"draft_model", "early_exit", "ngram", "suffix"})
+REMOTE_METHODS = frozenset(registry.names(registry.DRAFT_SERVICE))
 
 
 def served_model(

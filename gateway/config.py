@@ -5,12 +5,10 @@ from dataclasses import dataclass
 from gateway.clients import Deadlines
 from gateway.replicas import split_addresses
 from specserve.config import TracingOptions, check, field
+from specserve.methods import registry
+from specserve.methods.trees import TreeShape, TreeShapeError
 from specserve.paths import DEMO_TARGET
 from specserve.serving.tls import channel_credentials, channel_options
-from specserve.speculation import METHODS as SPECULATION_METHODS
-from specserve.trees import TreeShape, TreeShapeError
-
-METHODS = (*SPECULATION_METHODS, "none")
 
 
 @dataclass(frozen=True)
@@ -32,7 +30,7 @@ class GatewayConfig(TracingOptions):
     num_speculative_tokens: int = field(4, "K used when a request does not set speculation.num_speculative_tokens")
     method: str = field(
         "draft_model",
-        "speculation method when a request sets none: draft_model, early_exit, ngram, suffix, medusa, lookahead or none",
+        "speculation method when a request sets none: one of specserve/methods/registry.py's, or none",
     )
     adaptive: bool = field(
         True,
@@ -101,7 +99,8 @@ class GatewayConfig(TracingOptions):
         self.check_tracing()
         check(0 < self.port < 65536, f"port must lie in 1..65535, got {self.port}")
         check(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1")
-        check(self.method in METHODS, f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        methods = (*registry.names(), registry.NONE)
+        check(self.method in methods, f"method must be one of {', '.join(methods)}, got {self.method!r}")
         check(0 <= self.adaptive_k_min <= self.adaptive_k_max, "need 0 <= adaptive_k_min <= adaptive_k_max")
         check(self.adaptive_k_max >= 1, "adaptive_k_max must be >= 1")
         check(0 <= self.min_draft_probability <= 1, "min_draft_probability must lie in [0, 1]")

@@ -33,11 +33,11 @@ from gateway.replicas import NoReplica, Route
 from gateway.rounds import TARGET_ONLY_STRETCH, GenerationPlan, Proposal, Round, round_attributes
 from gateway.verifier_client import RETRIED, decode, describe, detach, move, prefill, release, status_code, verify
 from specserve.adaptive import KChooser
+from specserve.methods.trees import TreeShape
 from specserve.serving.logs import RateLimitedLog
 from specserve.serving.metrics import GatewayMetrics
 from specserve.serving.telemetry import inject, span
 from specserve.speculation import Speculation
-from specserve.trees import TreeShape
 from specserve.v1 import draft_pb2, verify_pb2
 
 __all__ = ["GenerationPlan", "SpeculationStats", "generate"]

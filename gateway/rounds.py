@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specserve.grammar import Grammar
+from specserve.methods.trees import TreeShape
 from specserve.sampling import SamplingParams
 from specserve.speculation import Speculation
-from specserve.trees import TreeShape
 from specserve.v1 import draft_pb2, verify_pb2
 
 

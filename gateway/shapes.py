@@ -7,20 +7,20 @@ from __future__ import annotations
 from gateway.clients import ServedModel
 from gateway.errors import bad_request
 from specserve.errors import InvalidArgument
-from specserve.lookahead import LookaheadShape
-from specserve.speculation import TREE_METHODS
-from specserve.trees import TreeShape, TreeShapeError
+from specserve.methods import registry
+from specserve.methods.lookahead import LookaheadShape
+from specserve.methods.trees import TreeShape, TreeShapeError
 
 
 def tree_of_request(asked, default: str, method: str, served: ServedModel) -> TreeShape | None:
     """The request's token tree: asked, or the gateway's default for the model methods; a
     400 for a shape that is not one or does not fit."""
     if asked is None:
-        return TreeShape.parse(default) if default and method in ("draft_model", "early_exit") else None
-    if method not in TREE_METHODS:
-        raise bad_request(
-            f"a token tree needs a draft model (draft_model, early_exit or medusa), not {method}", "speculation.tree"
-        )
+        spec = registry.SPECS.get(method)
+        return TreeShape.parse(default) if default and spec is not None and spec.model else None
+    if method not in registry.tree_methods():
+        trees = ", ".join(registry.tree_methods())
+        raise bad_request(f"a token tree needs a method that drafts trees ({trees}), not {method}", "speculation.tree")
     try:
         tree = TreeShape.parse(asked)
     except TreeShapeError as error:

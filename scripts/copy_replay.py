@@ -1,6 +1,6 @@
 """Greedy rounds replayed offline: how many tokens a K-token round keeps when a model's drafts
 start with a copy of the context always, never, or as each session's CopyScore decides
-(specserve/context_lookup.py; docs/design.md, "A copy before the draft").
+(specserve/methods/ngram.py; docs/design.md, "A copy before the draft").
 
     python scripts/copy_replay.py [--target DIR] [--draft DIR] [--k 4] [--code 24] [--edit 12] [--chat 12]
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specserve.context_lookup import CopyScore, ngram_drafts
+from specserve.methods.ngram import CopyScore, ngram_drafts
 from specserve.paths import DEMO_DRAFT, DEMO_TARGET
 from specserve.tools import workloads
 

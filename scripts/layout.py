@@ -1,7 +1,7 @@
 """The source's shape, measured: module and function lengths, import cycles between the
 project's modules (imports under `if TYPE_CHECKING:` count: a cycle hidden there is still
-two modules that cannot be read apart), `# fmt: skip` in runtime code, and whether any tool
-sits in the runtime packages. Prints a report; exits 1 where a limit is passed
+two modules that cannot be read apart), `# fmt: skip` in runtime code, lists of method names
+outside the methods' registry, and whether any tool sits in the runtime packages. Prints a report; exits 1 where a limit is passed
 (tests/test_layout.py runs it).
 
     python scripts/layout.py
@@ -41,6 +41,19 @@ def long_functions(tree: ast.AST) -> list[tuple[str, int]]:
             length = node.end_lineno - node.lineno + 1
             if length > MAX_FUNCTION_LINES:
                 found.append((node.name, length))
+    return found
+
+
+def method_lists(tree: ast.AST) -> list[int]:
+    """Lines of tuples, lists, sets and Literal[...] that name two methods (draft_model and
+    ngram): the method names are written once, in specserve/methods/registry.py, and read
+    from it everywhere else."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            values = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+            if {"draft_model", "ngram"} <= values:
+                found.append(node.lineno)
     return found
 
 
@@ -95,6 +108,11 @@ def main() -> int:
             problems.append(f"{relative}: {lines} lines (runtime modules: at most {MAX_MODULE_LINES})")
         if runtime and "# fmt: skip" in path.read_text():
             problems.append(f"{relative}: `# fmt: skip` in runtime code (lay it out so the formatter agrees)")
+        if runtime:
+            for line in method_lists(tree):
+                problems.append(
+                    f"{relative}:{line}: method names listed (read them from specserve/methods/registry.py)"
+                )
         if relative.parts[0] != "kernels":
             for function, length in long_functions(tree):
                 problems.append(f"{relative}: {function}() is {length} lines (at most {MAX_FUNCTION_LINES})")

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+from specserve.methods.trees import TreeShape, branches, depths
 from specserve.model.backends import ForwardRow, RunnerBackend, TreeNodes
 from specserve.model.runner import LlamaRunner
 from specserve.paths import DEMO_TARGET
-from specserve.trees import TreeShape, branches, depths
 
 # Tree of N nodes, the root (the last verified token) among them: paths of draft ranks.
 TREES = {

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specserve.methods.trees import TreeShape
 from specserve.speculation import Speculation
-from specserve.trees import TreeShape
 
 # Running estimates forget at these rates: costs change with the load, acceptance with the text.
 DECAY, ACCEPTANCE_DECAY = 0.9, 0.95

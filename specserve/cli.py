@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 
+from specserve.methods import registry
 from specserve.model.gguf import NAMED_MODELS
 from specserve.paths import DEMO_TARGET
 from specserve.up import CPU_MAX_SPECULATING_REQUESTS, service_environment, up
@@ -124,7 +125,7 @@ def _add_request_defaults(up_parser: argparse.ArgumentParser) -> None:
     """The gateway's request defaults (what a request that does not say gets), passed on."""
     up_parser.add_argument(
         "--method",
-        choices=("draft_model", "early_exit", "ngram", "suffix", "medusa", "lookahead", "none"),
+        choices=(*registry.names(), registry.NONE),
         default=None,
         help="speculation method of requests that set none (default: draft_model where a draft model is served, "
         "else medusa where heads are, else ngram)",

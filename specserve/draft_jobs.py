@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specserve.context_lookup import CopyScore
+from specserve.methods.ngram import CopyScore
+from specserve.methods.trees import TreeShape
 from specserve.model.backends import KVSequence
 from specserve.model.loading import LoadedModel
 from specserve.protocol import SparseDistribution
 from specserve.sampling import SamplingParams
-from specserve.suffix import SuffixSession
-from specserve.trees import TreeShape
 
 
 @dataclass(frozen=True)
@@ -51,11 +50,11 @@ class DraftSession:
 
     session_id: str
     method: str
-    sequence: KVSequence | None  # None for ngram and suffix: there is no cache
+    sequence: KVSequence | None  # None for the context methods (ngram, suffix): there is no cache
     verified: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the cache
     copy_score: CopyScore = field(default_factory=CopyScore)  # whether its drafts start with a copy
-    suffix: SuffixSession | None = None  # method suffix's counts (specserve/suffix.py)
+    context: object | None = None  # a context method's state (its ContextProposer's: suffix's counts)
     prompt_length: int = 0  # verified tokens that are the prompt (0: the first job's); the rest is output
     eos_token_ids: tuple[int, ...] = ()  # the model's: masked under min_tokens
 
@@ -69,7 +68,7 @@ class DraftJob:
     sampling: SamplingParams
     min_draft_probability: float = 0.0
     want_bonus_guess: bool = False
-    tree: TreeShape | None = None  # draft a token tree of this shape (specserve/tree_drafting.py)
+    tree: TreeShape | None = None  # draft a token tree of this shape (specserve/methods/tree_drafting.py)
     grammar: object | None = None  # GrammarState (specserve/grammar.py): the drafts' q are masked by it
 
 

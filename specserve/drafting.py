@@ -7,7 +7,7 @@ Methods: "draft_model" (a small model of its own), "early_exit" (the target's fi
 final norm and LM head), and two without a model: "ngram" (copy what followed the latest
 earlier occurrence of the sequence's longest repeated suffix) and "suffix" (follow the
 counts of what followed the sequence's end, in the session and in its tenant's finished
-sessions: specserve/suffix.py). For the model methods q_i is the processed distribution
+sessions: specserve/methods/suffix.py). For the model methods q_i is the processed distribution
 (temperature, top-k, top-p) truncated to the support_size likeliest tokens and
 renormalised (docs/design.md, invariant 2); the others' drafts are deterministic, so their
 q_i is one-hot. Greedy requests get no distributions. A model stops drafting early once its
@@ -29,21 +29,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.context_lookup import common_prefix, ngram_drafts, one_hot
 from specserve.draft_jobs import DraftJob, DraftOptions, DraftSession, Proposal
 from specserve.errors import FailedPrecondition, InvalidArgument, RequestError, ResourceExhausted, require
+from specserve.methods import registry
+from specserve.methods.ngram import common_prefix, ngram_drafts, one_hot
+from specserve.methods.tree_drafting import draft_trees
 from specserve.model.backends import Backend, ForwardRow, forward_in_budget
 from specserve.model.loading import LoadedModel
 from specserve.protocol import SparseDistribution, check_token_ids
 from specserve.sampling import SamplingParams, processed_probs, sample_sparse, truncate_to_support
 from specserve.serving.metrics import ServiceMetrics
-from specserve.suffix import SuffixSession, SuffixStore
-from specserve.tree_drafting import draft_trees
 
 log = logging.getLogger(__name__)
-
-METHODS = ("draft_model", "early_exit", "ngram", "suffix")
-MODEL_FREE = ("ngram", "suffix")  # methods that need no model, always served
 
 # A catch-up of at most this many tokens per row runs as one step of token rows (the accepted
 # drafts the cache lacks and the round's last token, usually); a new session's prompt in chunks.
@@ -93,14 +90,23 @@ class _Drafting:
 
 class Drafter:
     def __init__(self, models: dict[str, LoadedModel], options: DraftOptions, metrics: ServiceMetrics | None = None):
-        """models maps the model methods served ("draft_model", "early_exit") to loaded models;
-        "ngram" needs none and is always served."""
+        """models maps the model methods served (draft_model, early_exit) to loaded models;
+        the methods that draft from the context (ngram, suffix: the registry's with a
+        context proposer) need none and are always served."""
         self.models = models
         self.options = options
         self.metrics = metrics
         self._sessions = 0
         self._lock = threading.Lock()  # open and close come from stream threads
-        self.suffix = SuffixStore()  # method suffix's table shared across sessions, per tenant
+        # Each context method's proposer: what it learns is shared across its sessions.
+        self.proposers = {
+            name: spec.context(options) for name, spec in registry.SPECS.items() if spec.context is not None
+        }
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The methods it serves: its models' and the context methods."""
+        return (*self.models, *self.proposers)
 
     def open_session(
         self, session_id: str, method: str, tenant: str = "", isolated: bool = False, prompt_length: int = 0
@@ -108,22 +114,28 @@ class Drafter:
         """Method suffix learns from the finished sessions of the same tenant (none: isolated).
         prompt_length: the verified tokens that are the prompt (0: all the first job sends)."""
         method = method or "draft_model"
-        require(method in METHODS, f"method must be one of {', '.join(METHODS)}, got {method!r}")
-        if method not in MODEL_FREE and method not in self.models:
-            raise InvalidArgument(f"{method} is not served here (start the draft service with --early-exit-model)")
+        spec = registry.spec_of(method)
+        if method not in self.methods:
+            raise InvalidArgument(
+                f"{method} is not served here (it needs {spec.needs}); served: {', '.join(self.methods)}"
+            )
+        proposer = self.proposers.get(method)
         with self._lock:
             if self._sessions >= self.options.max_sessions:
                 raise ResourceExhausted(f"the drafter holds its maximum of {self.options.max_sessions} sessions")
-            sequence = None if method in MODEL_FREE else self.models[method].backend.open(reclaim=False)
+            sequence = None if proposer is not None else self.models[method].backend.open(reclaim=False)
             self._sessions += 1
             self._observe_sessions()
-        suffix = SuffixSession(tenant, shared=not isolated) if method == "suffix" else None
-        eos = () if method in MODEL_FREE else self.models[method].eos_token_ids
-        return DraftSession(session_id, method, sequence, suffix=suffix, prompt_length=prompt_length, eos_token_ids=eos)
+        context = proposer.open(tenant, isolated) if proposer is not None else None
+        eos = () if proposer is not None else self.models[method].eos_token_ids
+        return DraftSession(
+            session_id, method, sequence, context=context, prompt_length=prompt_length, eos_token_ids=eos
+        )
 
     def close_session(self, session: DraftSession) -> None:
-        if session.suffix is not None:
-            self.suffix.finish(session.suffix, session.verified)
+        proposer = self.proposers.get(session.method)
+        if proposer is not None:
+            proposer.finish(session.context, session.verified)
         with self._lock:
             if session.sequence is not None:
                 self.models[session.method].backend.close(session.sequence)
@@ -177,9 +189,12 @@ class Drafter:
         return results  # type: ignore[return-value]
 
     def _run_group(self, method: str, batch: list[_Drafting]) -> None:
-        if method in MODEL_FREE:
+        proposer = self.proposers.get(method)
+        if proposer is not None:
             for d in batch:
-                self._model_free(d)
+                d.drafts = proposer.drafts(d.job.session.context, d.verified, d.start, d.k)
+                if not d.job.sampling.is_greedy:
+                    d.distributions = one_hot(d.drafts)
             return
         backend = self.models[method].backend
         try:
@@ -207,7 +222,7 @@ class Drafter:
         d = _Drafting(job, verified, max(0, min(job.num_speculative_tokens, room)), start=start)
         d.process = self.options.process_logits and job.sampling.processing.active
         copy_n = self.options.copy_min_ngram
-        if copy_n and job.session.method not in MODEL_FREE and job.tree is None:
+        if copy_n and job.session.method in self.models and job.tree is None:
             job.session.copy_score.judge(verified)
             d.offered = ngram_drafts(verified, d.k, self.options.ngram_max, min_n=copy_n)
             d.copied = list(d.offered) if job.session.copy_score.prefers_copy() else []
@@ -225,14 +240,6 @@ class Drafter:
         if model is None:
             return vocab, context
         return min(vocab, model.vocab_size), min(context, model.max_context_length)
-
-    def _model_free(self, d: _Drafting) -> None:
-        if d.job.session.suffix is not None:
-            d.drafts = self.suffix.drafts(d.job.session.suffix, d.verified, d.start, d.k)
-        else:
-            d.drafts = ngram_drafts(d.verified, d.k, self.options.ngram_max)
-        if not d.job.sampling.is_greedy:
-            d.distributions = one_hot(d.drafts)
 
     def _draft_all(self, backend: Backend, batch: list[_Drafting]) -> None:
         """Per position, one forward over the rows still drafting: a catch-up on the verified
@@ -333,9 +340,7 @@ class Drafter:
         )
         require(0 <= job.min_draft_probability <= 1, "min_draft_probability must lie in [0, 1]")
         if job.tree is not None:
-            require(
-                job.session.method not in MODEL_FREE, f"{job.session.method} drafts chains: token trees need a model"
-            )
+            require(job.session.method in self.models, f"{job.session.method} drafts chains: token trees need a model")
             require(
                 self.models[job.session.method].backend.supports_trees,
                 "token trees need the runner backend (this draft is served by transformers)",

@@ -7,12 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specserve.errors import InvalidArgument, require
-from specserve.lookahead import LookaheadShape
-from specserve.trees import TreeShape, TreeShapeError
+from specserve.methods import registry
+from specserve.methods.lookahead import LookaheadShape
+from specserve.methods.trees import TreeShape, TreeShapeError
 from specserve.v1 import verify_pb2
-
-METHODS = ("draft_model", "early_exit", "ngram", "suffix", "medusa", "lookahead")  # the last two: a verifier's
-TREE_METHODS = ("draft_model", "early_exit", "medusa")  # those that draft token trees; the others chains
 
 
 @dataclass(frozen=True)
@@ -31,9 +29,9 @@ class Speculation:
     lookahead: tuple[int, int, int] = (0, 0, 0)  # method lookahead's W, N, G; 0: the verifier's default
 
     def __post_init__(self) -> None:
-        require(self.method in METHODS, f"speculation method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        chains_only = f"token trees are drafted by {', '.join(TREE_METHODS)}; {self.method} drafts chains"
-        require(self.tree is None or self.method in TREE_METHODS, chains_only)
+        spec = registry.spec_of(self.method)  # raises, naming the methods, for a name that is none
+        chains_only = f"token trees are drafted by {', '.join(registry.tree_methods())}; {self.method} drafts chains"
+        require(self.tree is None or spec.trees, chains_only)
         require(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1")
         low, high = self.k_bounds
         bounds = f"adaptive K bounds must satisfy 0 <= min <= max, max >= 1; got {low}, {high}"

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     # Triton kernels run on the CPU through the interpreter; must be set before triton.jit runs.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from specserve.medusa import MedusaConfig, MedusaHeads, save_heads  # noqa: E402
+from specserve.methods.medusa import MedusaConfig, MedusaHeads, save_heads  # noqa: E402
 from specserve.tools.testing import save_pair  # noqa: E402
 
 

@@ -35,7 +35,7 @@ def test_demo_pair_loads_as_it_is_and_shares_a_tokenizer():
 
 
 def test_the_demo_medusa_heads_fit_the_demo_target_and_no_other():
-    from specserve.medusa import HeadsMismatch, load_heads
+    from specserve.methods.medusa import HeadsMismatch, load_heads
 
     heads = load_heads(DEMO_MODELS / "medusa", DEMO_TARGET)
     assert heads.config.num_heads >= 2

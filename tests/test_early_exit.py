@@ -1,9 +1,9 @@
 """Early exit's layer count, chosen from measured agreement with the target
-(specserve/model/early_exit.py)."""
+(specserve/methods/early_exit.py)."""
 
 import torch
 
-from specserve.model.early_exit import _predicted, choose_layers, layer_agreement
+from specserve.methods.early_exit import _predicted, choose_layers, layer_agreement
 from specserve.model.loading import load_model
 from specserve.tools.testing import save_pair
 

@@ -144,7 +144,7 @@ def test_batched_drafting_equals_each_session_alone(tiny_pair, sampling):
 
 
 def test_ngram_drafts_copy_after_the_latest_longest_repeat():
-    from specserve.context_lookup import ngram_drafts
+    from specserve.methods.ngram import ngram_drafts
 
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]
     assert ngram_drafts(tokens, 2, max_n=3) == [7, 8]  # the latest [1, 2, 3] was followed by 7, 8
@@ -191,7 +191,7 @@ def test_a_models_drafts_start_with_a_copy_where_the_context_repeats(tiny_pair, 
 
 
 def test_copies_stop_where_the_models_drafts_hold_the_target_better_and_come_back_when_they_do_not():
-    from specserve.context_lookup import CopyScore
+    from specserve.methods.ngram import CopyScore
 
     score = CopyScore()
     assert score.prefers_copy()  # no evidence yet: copies first

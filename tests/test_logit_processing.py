@@ -170,10 +170,10 @@ def test_a_draft_processed_as_the_target_is_accepted_whole(tiny_pair, method):
     the target's (the output and the round's drafts before each position counted), every
     greedy draft holds; left unprocessed, the penalties reject some."""
     from specserve.drafting import Drafter, DraftOptions
+    from specserve.methods.trees import TreeShape
     from specserve.model.loading import load_model
     from specserve.sampling import SamplingParams
     from specserve.speculation import Speculation
-    from specserve.trees import TreeShape
     from verify_service.config import VerifyConfig
     from verify_service.engine import Verifier
     from verify_service.local_drafts import LocalDrafting

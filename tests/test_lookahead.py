@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from specserve.errors import InvalidArgument
-from specserve.lookahead import MAX_POOL, LookaheadSession, LookaheadShape
-from specserve.trees import depths
+from specserve.methods.lookahead import MAX_POOL, LookaheadSession, LookaheadShape
+from specserve.methods.trees import depths
 
 
 def test_the_window_is_a_tree_whose_node_l_c_sees_level_0_to_column_c_and_its_column_below():

@@ -10,11 +10,11 @@ import httpx
 import pytest
 import torch
 
-from specserve.medusa import HeadsMismatch, MedusaConfig, MedusaHeads, load_heads, save_heads
+from specserve.methods.medusa import HeadsMismatch, MedusaConfig, MedusaHeads, load_heads, save_heads
+from specserve.methods.medusa_drafts import MedusaDrafting
+from specserve.methods.trees import TreeShape
 from specserve.model.linear import Linear
 from specserve.tools.testing import save_pair
-from specserve.trees import TreeShape
-from verify_service.medusa_drafts import MedusaDrafting
 
 
 def test_heads_round_trip_and_start_as_the_target_lm_heads_guess(tiny_pair):

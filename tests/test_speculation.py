@@ -150,7 +150,7 @@ def test_a_drafting_that_reads_more_than_a_round_made_is_not_counted_as_a_rounds
 
 
 def test_a_tree_is_cut_to_what_max_tokens_leaves():
-    from specserve.trees import TreeShape
+    from specserve.methods.trees import TreeShape
 
     tree = TreeShape.parse([2, 1, 1])
     chooser = KChooser(Speculation("draft_model", 4, adaptive=False, tree=tree))
@@ -164,7 +164,7 @@ def test_adaptive_takes_the_tree_where_it_gives_more_tokens_per_second(tree_toke
     """A tree is tried first; then it is taken while its measured tokens per second beat the
     best chain's, and tried again every TREE_PROBE_ROUNDS chain rounds."""
     from specserve.adaptive import TREE_PROBE_ROUNDS
-    from specserve.trees import TreeShape
+    from specserve.methods.trees import TreeShape
 
     shared = costs(draft_step=0.0002, verify_one=0.002, per_token=0.0002)
     tree = TreeShape.parse([2, 1, 1])

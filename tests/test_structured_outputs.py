@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specserve.context_lookup import ngram_drafts
 from specserve.errors import InvalidArgument
 from specserve.grammar import Grammar, Grammars
+from specserve.methods.ngram import ngram_drafts
 from specserve.protocol import SparseDistribution
 from specserve.sampling import SamplingParams
 from tests.test_e2e import _chi_square, complete

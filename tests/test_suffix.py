@@ -10,8 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from specserve.drafting import Drafter, DraftJob, DraftOptions
-from specserve.sampling import SamplingParams
-from specserve.suffix import (
+from specserve.methods.suffix import (
     MAX_FOLLOWERS,
     QUEUED_TOKENS,
     TOTAL,
@@ -20,6 +19,7 @@ from specserve.suffix import (
     SuffixStore,
     suffix_drafts,
 )
+from specserve.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

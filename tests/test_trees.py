@@ -11,9 +11,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from specserve.methods.trees import (
+    MAX_TREE_NODES,
+    TreeShape,
+    TreeShapeError,
+    branches,
+    depths,
+    prune_to_branches,
+    renumber,
+)
 from specserve.model.backends import RunnerBackend, TreeNodes
 from specserve.model.runner import LlamaRunner
-from specserve.trees import MAX_TREE_NODES, TreeShape, TreeShapeError, branches, depths, prune_to_branches, renumber
 from tests.test_runner import COMMON
 
 CPU = torch.device("cpu")

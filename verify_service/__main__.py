@@ -9,8 +9,9 @@ import time
 
 from specserve.config import parse_config, pin_to_cpus
 from specserve.drafting import Drafter, DraftOptions
-from specserve.medusa import load_heads
-from specserve.model.early_exit import choose_layers
+from specserve.methods.early_exit import choose_layers
+from specserve.methods.medusa import load_heads
+from specserve.methods.medusa_drafts import MedusaDrafting
 from specserve.model.loading import LoadedModel, load_for_service, load_tokenizer, tokenizer_fingerprint
 from specserve.model.runner import UnsupportedModel
 from specserve.serving.batching import Batcher
@@ -23,7 +24,6 @@ from verify_service.config import VerifyConfig
 from verify_service.engine import Verifier
 from verify_service.jobs import SweepJob
 from verify_service.local_drafts import LocalDrafting
-from verify_service.medusa_drafts import MedusaDrafting
 from verify_service.servicer import SERVICE_NAME, VerifyServicer
 
 log = logging.getLogger("verify_service")
@@ -84,7 +84,7 @@ def colocated_drafting(config: VerifyConfig, target: LoadedModel, metrics: Servi
 
 def early_exit_layers(config: VerifyConfig, target: LoadedModel) -> int:
     """The first layers method early_exit drafts with: as configured, or (-1) the count that
-    measured agreement predicts pays best (specserve/model/early_exit.py)."""
+    measured agreement predicts pays best (specserve/methods/early_exit.py)."""
     if config.early_exit_layers >= 0:
         return config.early_exit_layers
     runner = getattr(target.backend, "runner", None)

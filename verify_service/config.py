@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from specserve.config import check, field
 from specserve.errors import InvalidArgument
-from specserve.lookahead import DEFAULT_GUESSES, DEFAULT_NGRAM, DEFAULT_WINDOW, LookaheadShape
+from specserve.methods.lookahead import DEFAULT_GUESSES, DEFAULT_NGRAM, DEFAULT_WINDOW, LookaheadShape
 from specserve.paths import DEMO_TARGET
 from specserve.serving.options import ServiceOptions
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from specserve.logprobs import token_logprobs
+from specserve.methods.trees import depths
 from specserve.sampling import draw_noise, processed_probs, tree_verify_uniforms, verify_noise, verify_uniforms
-from specserve.trees import depths
 from specserve_kernels.rejection import greedy_verify, rejection_sample
 from specserve_kernels.tree import tree_rejection_sample
 from verify_service.grammar_rounds import mask_logits, round_paths

@@ -10,8 +10,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from specserve.context_lookup import one_hot
 from specserve.grammar import mask_with
+from specserve.methods.ngram import one_hot
 from verify_service.jobs import DecodeJob
 
 

@@ -5,8 +5,8 @@ the draft and the verify.
 The drafter is specserve's (the draft service runs the same one): its draft model, the
 target's own first layers (early exit) or n-gram lookup (always served: it needs no model).
 With Medusa heads loaded, method medusa drafts from the target's own hidden state
-(verify_service/medusa_drafts.py); on the runner backend, method lookahead from the target's
-own guesses in a Jacobi window fed beside the round's candidates (specserve/lookahead.py).
+(specserve/methods/medusa_drafts.py); on the runner backend, method lookahead from the target's
+own guesses in a Jacobi window fed beside the round's candidates (specserve/methods/lookahead.py).
 Each session keeps its draft state and its KChooser, which picks each round's K from the
 session's measured costs and acceptance. Everything runs on the verifier's worker thread.
 """
@@ -22,11 +22,11 @@ from specserve.drafting import Drafter, DraftJob, DraftSession, Proposal
 from specserve.errors import RequestError
 from specserve.grammar import GrammarState
 from specserve.logit_processing import NEUTRAL
-from specserve.lookahead import LookaheadSession, LookaheadShape
+from specserve.methods.lookahead import LookaheadSession, LookaheadShape
+from specserve.methods.medusa_drafts import MedusaDrafting
 from specserve.pacing import MethodRate, Pacing
 from specserve.serving.logs import RateLimitedLog
 from specserve.speculation import Speculation
-from verify_service.medusa_drafts import MedusaDrafting
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class LocalDrafting:
     @property
     def methods(self) -> tuple[str, ...]:
         own = (("medusa",) if self.medusa is not None else ()) + (("lookahead",) if self.lookahead else ())
-        return (*self.drafter.models, "ngram", "suffix", *own)
+        return (*self.drafter.methods, *own)
 
     def session_drafts(
         self, current: SessionDrafts | None, speculation: Speculation, prompt_length: int = 0, sampled: bool = False

@@ -11,8 +11,8 @@ tree, never by their tokens, keeps a sampled tree's rule exact.
 from __future__ import annotations
 
 from specserve.errors import InvalidArgument, require
+from specserve.methods.trees import MAX_TREE_NODES, branches, check_parents, depths, prune_to_branches, renumber
 from specserve.model.backends import Backend, TreeNodes
-from specserve.trees import MAX_TREE_NODES, branches, check_parents, depths, prune_to_branches, renumber
 
 
 def check_tree(job, sampling, supported: bool) -> None:

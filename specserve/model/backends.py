@@ -43,7 +43,7 @@ class KVSequence:
 @dataclass(frozen=True)
 class TreeNodes:
     """Nodes of one sequence's token tree fed in one forward: node i's token at position
-    base + depths[i], on the branches on[i] (specserve.trees.branches), whose slots it reads
+    base + depths[i], on the branches on[i] (specserve.methods.trees.branches), whose slots it reads
     (the first) and is stored in (all). The sequence's cache holds positions up to base (or
     base + 1, where the root was fed before)."""
 

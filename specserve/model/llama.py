@@ -123,7 +123,7 @@ def final_outputs(
     x: torch.Tensor, norm: torch.Tensor, lm_head: Linear, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """final_logits, and the tokens' hidden states after the final norm [T, hidden] (the LM
-    head's input, which Medusa heads read: specserve/medusa.py)."""
+    head's input, which Medusa heads read: specserve/methods/medusa.py)."""
     normed = rms_norm(x, norm, eps)
     return lm_head(normed).float(), normed
 

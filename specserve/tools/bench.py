@@ -37,9 +37,10 @@ from pathlib import Path
 
 import httpx
 
+from specserve.methods import registry
+from specserve.methods.trees import TreeShape
 from specserve.model.gguf import log_conversions, resolve_model
 from specserve.paths import DEMO_DRAFT, DEMO_TARGET
-from specserve.speculation import METHODS, TREE_METHODS
 from specserve.tools.baselines import (
     LLAMA_CPP_ROWS,
     LOCAL,
@@ -51,7 +52,6 @@ from specserve.tools.baselines import (
     prompt_lookup_class,
 )
 from specserve.tools.bench_report import markdown, plots, verdicts
-from specserve.trees import TreeShape
 
 WORKLOADS = ("code", "thirdparty", "edit", "chat", "mixed", "template", "assistant")
 # Workload assistant: what people ask a general chat model, outside the demo's code domain.
@@ -185,7 +185,7 @@ def row_label(method: str, k: int, adaptive: bool = False, pipeline: bool = Fals
     return method
 
 
-SPECULATIVE = METHODS  # the stack's speculative rows: a method each
+SPECULATIVE = registry.names()  # the stack's speculative rows: a method each
 # API keys of a stack the bench starts: the warm-up's, then one per row.
 ROW_KEYS = ("bench-warm-up", *(f"bench-row-{i}" for i in range(256)))
 ADAPTIVE_MIN_PROBABILITY = 0.0
@@ -390,7 +390,7 @@ def stack_rows(args, workload: str, temperature: float, clients: int) -> list[Ro
             rows.append(Row(workload, temperature, clients, "lookahead", adaptive=True))
     if args.pipeline:
         rows += [Row(workload, temperature, clients, "draft_model", k, pipeline=True) for k in args.k]
-    tree_methods = [m for m in args.methods if m in TREE_METHODS] or ["draft_model"]
+    tree_methods = [m for m in args.methods if m in registry.tree_methods()] or ["draft_model"]
     for tree, method in ((tree, method) for tree in args.tree for method in tree_methods):
         size = len(TreeShape.parse(tree))
         rows.append(Row(workload, temperature, clients, method, size, tree=tree))

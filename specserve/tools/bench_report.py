@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specserve.speculation import METHODS as SPECULATIVE
+from specserve.methods import registry
 from specserve.tools.baselines import LLAMA_CPP_ROWS, LOCAL
 
 
@@ -17,7 +17,7 @@ def verdicts(records: list[dict]) -> str:
     groups = {(r["workload"], r["temperature"]) for r in records if r["clients"] == 1}
     for workload, temperature in sorted(groups):
         group = [r for r in records if (r["workload"], r["temperature"], r["clients"]) == (workload, temperature, 1)]
-        speculative = [r for r in group if r["method"] in SPECULATIVE and r.get("measured_speedup")]
+        speculative = [r for r in group if r["method"] in registry.names() and r.get("measured_speedup")]
         if not speculative:
             continue
         best = max(speculative, key=lambda r: r["tokens_per_s"])  # the fastest of noisy rows: its band says how sure

@@ -1,4 +1,4 @@
-"""specserve train-medusa: Medusa heads for a frozen target (specserve/medusa.py).
+"""specserve train-medusa: Medusa heads for a frozen target (specserve/methods/medusa.py).
 
 The target reads text; head i, on the target's last hidden state at position t, learns the
 target's own distribution of the token at t + i + 2 (self-distillation: KL(target ‖ head) at
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specserve.medusa import MedusaConfig, MedusaHeads, save_heads
+from specserve.methods.medusa import MedusaConfig, MedusaHeads, save_heads
 from specserve.model.gguf import is_named, resolve_model
 from specserve.paths import DEMO_MODELS, DEMO_TARGET, REPO_ROOT
 from specserve.tools import train_demo as recipe

@@ -83,6 +83,12 @@ class MedusaConfig:
             )
 
 
+def residual_block(hidden: torch.Tensor, product: torch.Tensor) -> torch.Tensor:
+    """A head's guess of a later position's hidden state: hidden + SiLU(W hidden + b), given
+    the product W hidden + b."""
+    return hidden + nn.functional.silu(product)
+
+
 class MedusaHeads(nn.Module):
     """The heads' blocks; logits(hidden, lm_head) gives every head's guesses."""
 
@@ -96,7 +102,7 @@ class MedusaHeads(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden_size] (the target's normed last hidden state) -> [heads, ..., hidden_size]."""
-        return torch.stack([hidden + nn.functional.silu(head(hidden)) for head in self.heads])
+        return torch.stack([residual_block(hidden, head(hidden)) for head in self.heads])
 
     def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """[heads, ..., vocab] float32: each head's logits, through the target's LM head weight [vocab, hidden]."""

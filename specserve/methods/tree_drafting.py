@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from specserve.methods.trees import branches, depths, prune_to_branches, renumber
 from specserve.model.backends import Backend, TreeNodes
 from specserve.protocol import SparseDistribution
 from specserve.sampling import processed_probs, sample_sparse, truncate_to_support
-from specserve.trees import branches, depths, prune_to_branches, renumber
 
 
 class TreePlan:

@@ -35,6 +35,23 @@ def ngram_drafts(tokens: list[int], k: int, max_n: int, min_n: int = 1) -> list[
     return tokens[best_end + 1 : best_end + 1 + k]
 
 
+class NgramProposer:
+    """Method ngram (a ContextProposer, specserve/methods/registry.py): ngram_drafts, with no
+    state of its own; the longest suffix looked up is max_n tokens."""
+
+    def __init__(self, max_n: int):
+        self.max_n = max_n
+
+    def open(self, tenant: str, isolated: bool) -> None:
+        return None
+
+    def drafts(self, state: None, verified: list[int], start: int, k: int) -> list[int]:
+        return ngram_drafts(verified, k, self.max_n)
+
+    def finish(self, state: None, tokens: list[int]) -> None:
+        pass
+
+
 def one_hot(tokens: list[int]) -> list[SparseDistribution]:
     """The distributions of drafts copied from the sequence: each its token's, one-hot."""
     return [SparseDistribution((t,), (1.0,)) for t in tokens]

@@ -27,8 +27,8 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from specserve.context_lookup import ngram_drafts, one_hot
 from specserve.errors import require
+from specserve.methods.ngram import ngram_drafts, one_hot
 
 # Tuned on the demo pair on a CPU (docs/benchmarks.md, twelfth section), where each token a
 # forward feeds costs about 6% of a target step: a small window. The paper's GPU runs take

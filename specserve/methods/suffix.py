@@ -113,8 +113,9 @@ class SuffixSession:
 
 
 class SuffixStore:
-    """The drafter's shared table, and the sequences of the sessions finished since its last
-    batch (closed from other threads; folded in by the drafting thread)."""
+    """Method suffix (a ContextProposer, specserve/methods/registry.py): the drafter's shared
+    table, and the sequences of the sessions finished since its last batch (closed from
+    other threads; folded in by the drafting thread)."""
 
     def __init__(self, max_contexts: int = MAX_SHARED_CONTEXTS, min_probability: float = MIN_PROBABILITY):
         self.shared = SuffixCounts(max_contexts=max_contexts)
@@ -122,6 +123,10 @@ class SuffixStore:
         self._finished: deque[tuple[str, list[int]]] = deque()
         self._queued = 0  # tokens in _finished
         self._lock = threading.Lock()
+
+    def open(self, tenant: str, isolated: bool) -> SuffixSession:
+        """A session's own table; isolated, it drafts from no other session's."""
+        return SuffixSession(tenant, shared=not isolated)
 
     def finish(self, session: SuffixSession, tokens: list[int]) -> None:
         """Shares what the session's target made (with the depth of context before it) with

@@ -1,12 +1,12 @@
 """Medusa rounds: the verifier drafts a session's next round from the hidden state its last
 forward left (the normed hidden state of the position whose logits gave the session's last
-token), with Medusa heads beside the target (specserve/medusa.py). No draft model runs and
+token), with Medusa heads beside the target (specserve/methods/medusa.py). No draft model runs and
 there is no draft step: the heads are one small product per head and the target's own LM
 head over them, for every row of the batch at once.
 
 Head i at the last position guesses the token i + 1 after the session's last token. A
 round's chain is a copy of the context first, where the sequence's last token occurred
-before (the ngram method's lookup, specserve/context_lookup.py), then the heads' top tokens
+before (the ngram method's lookup, specserve/methods/ngram.py), then the heads' top tokens
 at the positions after it: the heads guess every position from one hidden state, so their
 guess for a position holds whatever the copy put before it. The copy comes first because on
 the demo target even a one-token match's copy holds more often than the heads' guesses
@@ -23,12 +23,11 @@ rule is exact for siblings drawn from one distribution, and Medusa's siblings ar
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from specserve.context_lookup import ngram_drafts, one_hot
-from specserve.medusa import MedusaHeads
+from specserve.methods.medusa import MedusaHeads, residual_block
+from specserve.methods.ngram import ngram_drafts, one_hot
+from specserve.methods.trees import TreeShape
 from specserve.model.linear import Linear
-from specserve.trees import TreeShape
 
 
 class MedusaDrafting:
@@ -94,7 +93,7 @@ class MedusaDrafting:
         products = self.heads(hidden).view(len(present), self.num_heads, size)  # every head: one product
         place = {i: j for j, i in enumerate(present)}
         rows, heads = [place[i] for i, _ in wanted], [head for _, head in wanted]
-        guessed = hidden[rows] + F.silu(products[rows, heads])  # [wanted, hidden]
+        guessed = residual_block(hidden[rows], products[rows, heads])  # [wanted, hidden]
         logits = self.lm_head(guessed)
         ids = logits.topk(width, dim=-1).indices.tolist()
         for j, ((i, head), top) in enumerate(zip(wanted, ids)):
