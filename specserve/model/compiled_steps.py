@@ -43,7 +43,7 @@ def _call_onednn_linear_as_is() -> None:
     """Makes inductor call oneDNN's product with a prepacked matrix (the runner's Linear) as
     it is, from the compiled code: its own lowering of that op takes only matrices it froze
     itself. Wrapping the op in a custom op of ours instead cost Python time at every product
-    (docs/benchmarks.md, "Compiled steps without Python between products"). Results are
+    (docs/benchmarks/history/verifier-rounds.md, "Compiled steps without Python between products"). Results are
     bitwise the op's own. Affects only this process's compiles, which are all ours."""
     from torch._inductor import lowering
 
