@@ -13,20 +13,6 @@ class DraftConfig(ServiceOptions):
     port: int = field(50051, "gRPC port")
     early_exit_model: str = field("", "target model directory whose first layers serve method early_exit (empty: none)")
     early_exit_layers: int = field(2, "layers of the target the early_exit drafter runs")
-    ngram_max: int = field(4, "longest suffix the ngram drafter looks up")
-    copy_min_ngram: int = field(
-        2,
-        "a model's drafts start with a copy of what followed where the sequence's last copy_min_ngram "
-        "(or more) tokens occurred before, while such copies hold the target's tokens at least as often as "
-        "the model's drafts, and the model drafts the rest (0: never copy)",
-    )
-    process_draft_logits: bool = field(
-        False,
-        "apply a request's logits processing (penalties, biases, masks) to the draft's own logits as to the "
-        "target's: more drafts hold where the draft's logits are scaled like the target's; the demo draft's are "
-        "flatter, and kept fewer with it (docs/benchmarks.md). Exact either way",
-    )
-    support_size: int = field(32, "draft tokens are drawn from the draft's top support_size tokens, renormalised")
     max_speculative_tokens: int = field(16, "largest K accepted per request")
     max_sessions: int = field(256, "most concurrent sessions (streams); beyond it RESOURCE_EXHAUSTED")
     max_batch: int = field(64, "most draft requests processed in one batch")

@@ -1,7 +1,8 @@
 """The source's shape, measured: module and function lengths, import cycles between the
 project's modules (imports under `if TYPE_CHECKING:` count: a cycle hidden there is still
 two modules that cannot be read apart), `# fmt: skip` in runtime code, lists of method names
-outside the methods' registry, and whether any tool sits in the runtime packages. Prints a report; exits 1 where a limit is passed
+outside the methods' registry, and whether any tool sits in the runtime packages.
+Prints a report; exits 1 where a limit is passed
 (tests/test_layout.py runs it).
 
     python scripts/layout.py

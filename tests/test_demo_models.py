@@ -44,8 +44,21 @@ def test_the_demo_medusa_heads_fit_the_demo_target_and_no_other():
 
 
 def test_the_training_recipe_runs_end_to_end_in_smoke_mode(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "specserve.tools.train_demo", "--smoke", "--run-dir", str(tmp_path / "run"),
-                             "--out-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specserve.tools.train_demo",
+            "--smoke",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--out-dir",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     for name in ("target", "draft"):
         assert AutoModelForCausalLM.from_pretrained(tmp_path / "out" / name) is not None
@@ -57,8 +70,15 @@ def test_the_attention_guide_sees_the_attention_the_model_computes():
     from specserve.tools.train_demo import GUIDED_HEADS, AttentionGuide
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, attn_implementation="eager")  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        attn_implementation="eager",
+    )
     model = LlamaForCausalLM(config)
     guide = AttentionGuide(model)
     x = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 9, 5]])  # [1, seq]: repeats give the induction head targets

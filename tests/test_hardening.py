@@ -59,14 +59,23 @@ def test_hostile_requests_get_4xx_never_a_5xx_or_a_dropped_connection(keyed):
 
 @pytest.mark.parametrize(
     "fields, param",
-    [({"temperature": 1e300}, "temperature"), ({"top_p": 1e-300}, "top_p"), ({"presence_penalty": 5}, "presence_penalty"),
-     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"response_format": {"type": "json_schema"}}, "response_format"),
-     ({"tools": [{"type": "function"}]}, "tools"), ({"min_p": -0.1}, "min_p"), ({"stop_token_ids": [10**7]}, "stop_token_ids"),
-     ({"use_beam_search": True}, "use_beam_search"), ({"stop": ["x"] * 65}, "stop"),
-     ({"guided_regex": "(a|"}, "guided_regex"), ({"structured_outputs": {"json": {"type": "strin"}}}, "structured_outputs"),
-     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
-     ({"structured_outputs": {"json": {}, "disable_additional_properties": True}}, "structured_outputs")],
-)  # fmt: skip
+    [
+        ({"temperature": 1e300}, "temperature"),
+        ({"top_p": 1e-300}, "top_p"),
+        ({"presence_penalty": 5}, "presence_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"stop_token_ids": [10**7]}, "stop_token_ids"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"stop": ["x"] * 65}, "stop"),
+        ({"guided_regex": "(a|"}, "guided_regex"),
+        ({"structured_outputs": {"json": {"type": "strin"}}}, "structured_outputs"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"structured_outputs": {"json": {}, "disable_additional_properties": True}}, "structured_outputs"),
+    ],
+)
 def test_a_parameter_out_of_range_or_not_supported_is_a_400_that_names_it(keyed, fields, param):
     body = {"prompt": "hi", "max_tokens": 2, **fields}
     reply = httpx.post(f"{keyed.url}/v1/completions", json=body, headers=AUTH)
@@ -75,8 +84,17 @@ def test_a_parameter_out_of_range_or_not_supported_is_a_400_that_names_it(keyed,
 
 
 def test_neutral_values_of_unsupported_parameters_and_a_huge_top_k_are_served(keyed):
-    body = {"prompt": "hi", "max_tokens": 2, "presence_penalty": 0, "logit_bias": {}, "tools": [], "top_k": 2**40,
-            "response_format": {"type": "text"}, "user": "someone", "temperature": 0}  # fmt: skip
+    body = {
+        "prompt": "hi",
+        "max_tokens": 2,
+        "presence_penalty": 0,
+        "logit_bias": {},
+        "tools": [],
+        "top_k": 2**40,
+        "response_format": {"type": "text"},
+        "user": "someone",
+        "temperature": 0,
+    }
     reply = httpx.post(f"{keyed.url}/v1/completions", json=body, headers=AUTH)
     assert reply.status_code == 200, reply.text
 
@@ -128,8 +146,9 @@ def test_health_answers_within_a_second_while_a_4_mib_prompt_is_tokenized(keyed)
     prober = threading.Thread(target=probe)
     prober.start()
     try:
-        reply = httpx.post(f"{keyed.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2}, headers=AUTH,
-                           timeout=120)  # fmt: skip
+        reply = httpx.post(
+            f"{keyed.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2}, headers=AUTH, timeout=120
+        )
     finally:
         done.set()
         prober.join()
@@ -144,8 +163,10 @@ def test_abandoned_streams_and_plain_requests_free_their_slots_with_the_default_
     stack = request.getfixturevalue(stack_name)
     draft_metrics, verify_metrics = stack.metrics_ports
     body = {"prompt": [5, 6, 7], "max_tokens": 480, "temperature": 0, "speculation": {"adaptive": False}}
-    names = [(verify_metrics, "specserve:verifier_kv_slots_in_use"),
-             (draft_metrics if stack.draft_address else verify_metrics, "specserve:drafter_kv_slots_in_use")]  # fmt: skip
+    names = [
+        (verify_metrics, "specserve:verifier_kv_slots_in_use"),
+        (draft_metrics if stack.draft_address else verify_metrics, "specserve:drafter_kv_slots_in_use"),
+    ]
     # Sessions other tests left on this shared stack on purpose (the gRPC fuzzer's prefills,
     # held until their TTL) are not this test's: what these requests hold is counted.
     before = [metric(port, name) for port, name in names]
@@ -167,8 +188,14 @@ def test_abandoned_streams_and_plain_requests_free_their_slots_with_the_default_
 
 
 def _service(module: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "SPECSERVE_LOG_LEVEL": "WARNING", "SPECSERVE_VERIFY_THREADS": "1",
-           "SPECSERVE_DRAFT_THREADS": "1", "SPECSERVE_DRAFT_COMPILE_STEPS": "0", "SPECSERVE_VERIFY_COMPILE_STEPS": "0"}  # fmt: skip
+    env = {
+        **os.environ,
+        "SPECSERVE_LOG_LEVEL": "WARNING",
+        "SPECSERVE_VERIFY_THREADS": "1",
+        "SPECSERVE_DRAFT_THREADS": "1",
+        "SPECSERVE_DRAFT_COMPILE_STEPS": "0",
+        "SPECSERVE_VERIFY_COMPILE_STEPS": "0",
+    }
     return subprocess.Popen([sys.executable, "-m", module, *args], env=env)
 
 
@@ -189,20 +216,38 @@ def replicas(tiny_pair):
             "cpu",
             "--metrics-port",
             str(ports[f"{name}_metrics"]),
-        )  # fmt: skip
+        )
         for name in ("a", "b")
     }
     verify_address = f"127.0.0.1:{ports['a']},127.0.0.1:{ports['b']}"
     processes["gateway"] = _service(
-        "gateway", "--port", str(ports["http"]), "--tokenizer", str(target), "--verify-address", verify_address,
-        "--draft-address", f"127.0.0.1:{ports['draft']}", "--draft-startup-wait-s", "1",
-    )  # fmt: skip
+        "gateway",
+        "--port",
+        str(ports["http"]),
+        "--tokenizer",
+        str(target),
+        "--verify-address",
+        verify_address,
+        "--draft-address",
+        f"127.0.0.1:{ports['draft']}",
+        "--draft-startup-wait-s",
+        "1",
+    )
     url = f"http://127.0.0.1:{ports['http']}"
 
     def start_draft():
         if "draft" not in processes:
-            processes["draft"] = _service("draft_service", "--model", str(draft), "--port", str(ports["draft"]),
-                                          "--device", "cpu", "--metrics-port", str(ports["draft_metrics"]))  # fmt: skip
+            processes["draft"] = _service(
+                "draft_service",
+                "--model",
+                str(draft),
+                "--port",
+                str(ports["draft"]),
+                "--device",
+                "cpu",
+                "--metrics-port",
+                str(ports["draft_metrics"]),
+            )
 
     try:
         wait_until_healthy(url, processes["gateway"])
@@ -213,8 +258,13 @@ def replicas(tiny_pair):
 
 
 def _greedy(url: str, prompt: list[int], method: str) -> dict:
-    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "return_token_ids": True,
-            "speculation": {"method": method}}  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "max_tokens": 24,
+        "temperature": 0,
+        "return_token_ids": True,
+        "speculation": {"method": method},
+    }
     reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     return reply.json()

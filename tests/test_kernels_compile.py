@@ -33,7 +33,8 @@ SCRIPT = textwrap.dedent(
     combine = {**pointers("out_ptr", dtype="bf16"), **pointers("partial_out_ptr", "partial_stats_ptr", dtype="fp32"),
                **pointers("positions_ptr", dtype="i64"),
                **ints("out_stride_t", "out_stride_h", "heads", "max_splits", "head_dim", "window")}
-    rejection = {**pointers("output_ptr", "num_accepted_ptr", "draft_ids_ptr", "num_draft_ptr", "q_ids_ptr", dtype="i64"),
+    rejection = {**pointers("output_ptr", "num_accepted_ptr", "draft_ids_ptr", "num_draft_ptr", "q_ids_ptr",
+                            dtype="i64"),
                  **pointers("target_probs_ptr", "q_probs_ptr", "uniforms_ptr", "exponentials_ptr", dtype="fp32"),
                  **ints("k_max", "vocab", "support")}
     greedy = {**pointers("output_ptr", "num_accepted_ptr", "draft_ids_ptr", "num_draft_ptr", dtype="i64"),
@@ -42,7 +43,8 @@ SCRIPT = textwrap.dedent(
                        "q_ids_ptr", dtype="i64"),
             **pointers("target_probs_ptr", "q_probs_ptr", "uniforms_ptr", "exponentials_ptr", dtype="fp32"),
             **ints("n_max", "d_max", "vocab", "support")}
-    penalties = {**pointers("scores_ptr", "counts_ptr", dtype="fp32"), **pointers("rows_ptr", "tokens_ptr", dtype="i64"),
+    penalties = {**pointers("scores_ptr", "counts_ptr", dtype="fp32"),
+                 **pointers("rows_ptr", "tokens_ptr", dtype="i64"),
                  **pointers("seen_ptr", dtype="u8"), **ints("num_entries", "vocab"),
                  "presence": "fp32", "frequency": "fp32", "repetition": "fp32"}
     kernels = [

@@ -20,8 +20,14 @@ from tests.test_e2e import PROMPTS, _chi_square
 
 def test_penalties_biases_and_masks_follow_vllms_arithmetic():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]] * 3)
-    processing = LogitProcessing(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0,
-                                 logit_bias=((4, 10.0),), min_tokens=3, stop_token_ids=(2,))  # fmt: skip
+    processing = LogitProcessing(
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        repetition_penalty=2.0,
+        logit_bias=((4, 10.0),),
+        min_tokens=3,
+        stop_token_ids=(2,),
+    )
     # prompt [1]; output [3, 3]; row r adds the round's tokens before it: [], [0], [0, 4]
     out = processing.apply(logits, prompt=[1], output=[3, 3], added=[[], [0], [0, 4]], eos=(0,))
     row0 = [float("-inf"), -2.0, float("-inf"), 1.5 - 0.5 - 0.5, 11.0]  # 3: 3/2, then -0.25*2 - 0.5
@@ -49,16 +55,28 @@ PENALTIES = {"presence_penalty": 1.2, "frequency_penalty": 0.4, "repetition_pena
 
 
 def _complete(url: str, prompt, speculation: dict, **body) -> dict:
-    reply = httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "prompt": list(prompt), "max_tokens": 24, "temperature": 0, "return_token_ids": True,
-        "speculation": speculation, **body})  # fmt: skip
+    reply = httpx.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        json={
+            "prompt": list(prompt),
+            "max_tokens": 24,
+            "temperature": 0,
+            "return_token_ids": True,
+            "speculation": speculation,
+            **body,
+        },
+    )
     assert reply.status_code == 200, reply.text
     return reply.json()
 
 
 def test_greedy_output_with_penalties_and_biases_is_target_onlys(stack):
-    methods = ({"method": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
-               {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}, {"method": "lookahead"})  # fmt: skip
+    methods = (
+        {"method": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
+        {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+        {"method": "lookahead"},
+    )
     changed = 0
     for prompt in PROMPTS:
         plain = _complete(stack.url, prompt, {"method": "none"})["choices"][0]["token_ids"]
@@ -92,8 +110,15 @@ def test_sampled_output_with_a_presence_penalty_follows_the_processed_target(sta
     prompt = [72] * 8
 
     def run(seed):
-        body = _complete(stack.url, prompt, {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False},
-                         max_tokens=4, temperature=1.0, seed=seed, presence_penalty=2.0)  # fmt: skip
+        body = _complete(
+            stack.url,
+            prompt,
+            {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False},
+            max_tokens=4,
+            temperature=1.0,
+            seed=seed,
+            presence_penalty=2.0,
+        )
         return body["choices"][0]["token_ids"], body["usage"]["speculation"]
 
     with ThreadPoolExecutor(16) as pool:
@@ -135,8 +160,14 @@ def test_ignore_eos_goes_on_and_bad_words_are_never_completed(stack):
         assert going["choices"][0]["token_ids"] == [256] * 7 and going["choices"][0]["finish_reason"] == "length"
     plain = _complete(stack.url, PROMPTS[0], {"method": "none"})["choices"][0]
     word = plain["text"][:3].strip() or plain["text"][:3]
-    banned = [_complete(stack.url, PROMPTS[0], speculation, bad_words=[word])["choices"][0] for speculation in
-              ({"method": "none"}, method, {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})]  # fmt: skip
+    banned = [
+        _complete(stack.url, PROMPTS[0], speculation, bad_words=[word])["choices"][0]
+        for speculation in (
+            {"method": "none"},
+            method,
+            {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+        )
+    ]
     assert banned[0]["token_ids"] == banned[1]["token_ids"] == banned[2]["token_ids"] != plain["token_ids"]
     assert word not in banned[0]["text"]
 
@@ -184,8 +215,9 @@ def test_a_draft_processed_as_the_target_is_accepted_whole(tiny_pair, method):
 
     def verifier(process: bool) -> Verifier:
         config = VerifyConfig(process_draft_logits=process)
-        return Verifier(target, config, None, LocalDrafting(Drafter({"draft_model": draft},
-                        DraftOptions.of(config, target)), 16))  # fmt: skip
+        return Verifier(
+            target, config, None, LocalDrafting(Drafter({"draft_model": draft}, DraftOptions.of(config, target)), 16)
+        )
 
     processing = LogitProcessing(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.5)
     penalised = SamplingParams(temperature=0, processing=processing)

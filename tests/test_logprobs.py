@@ -12,9 +12,11 @@ from transformers import AutoModelForCausalLM
 
 from tests.test_e2e import PROMPTS
 
-SPECULATIVE = ({"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
-               {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False},
-               {"method": "lookahead"})  # fmt: skip
+SPECULATIVE = (
+    {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False},
+    {"method": "lookahead"},
+)
 
 
 def _client(stack) -> openai.OpenAI:
@@ -24,10 +26,21 @@ def _client(stack) -> openai.OpenAI:
 def _completion(client, prompt, speculation: dict, stream: bool = False, **body):
     extra = {"speculation": speculation, "return_token_ids": True}
     if not stream:
-        return client.completions.create(model="target", prompt=list(prompt), max_tokens=24, temperature=0,
-                                          logprobs=3, extra_body=extra, **body)  # fmt: skip
-    chunks = list(client.completions.create(model="target", prompt=list(prompt), max_tokens=24, temperature=0,
-                                            logprobs=3, extra_body=extra, stream=True, **body))  # fmt: skip
+        return client.completions.create(
+            model="target", prompt=list(prompt), max_tokens=24, temperature=0, logprobs=3, extra_body=extra, **body
+        )
+    chunks = list(
+        client.completions.create(
+            model="target",
+            prompt=list(prompt),
+            max_tokens=24,
+            temperature=0,
+            logprobs=3,
+            extra_body=extra,
+            stream=True,
+            **body,
+        )
+    )
     tokens, values, tops = [], [], []
     for chunk in chunks:
         for choice in chunk.choices:
@@ -58,8 +71,14 @@ def test_greedy_logprobs_are_the_same_to_the_bit_speculative_and_target_only(sta
 def test_chat_logprobs_parse_whole_and_streamed(stack):
     client = _client(stack)
     messages = [{"role": "user", "content": "hello"}]
-    common = {"model": "target", "messages": messages, "max_tokens": 12, "temperature": 0, "logprobs": True,
-              "top_logprobs": 2}  # fmt: skip
+    common = {
+        "model": "target",
+        "messages": messages,
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     plain = client.chat.completions.create(**common, extra_body={"speculation": {"method": "none"}})
     content = plain.choices[0].logprobs.content
     assert len(content) >= 1 and all(len(entry.top_logprobs) == 2 for entry in content)
@@ -75,8 +94,9 @@ def test_echo_with_max_tokens_0_scores_the_prompt_as_transformers_does(stack):
     """A log-likelihood request (lm-evaluation-harness's): each prompt token's logprob after
     the ones before it, within 0.02 nats of transformers' float32 log-softmax."""
     prompt = [5, 17, 99, 3, 42, 42, 7, 250, 1, 64, 64, 64]
-    reply = _client(stack).completions.create(model="target", prompt=prompt, max_tokens=0, echo=True, logprobs=1,
-                                              temperature=0)  # fmt: skip
+    reply = _client(stack).completions.create(
+        model="target", prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "length" and reply.usage.completion_tokens == 0
     assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.token_logprobs) == len(prompt)
@@ -87,13 +107,17 @@ def test_echo_with_max_tokens_0_scores_the_prompt_as_transformers_does(stack):
     got = torch.tensor(choice.logprobs.token_logprobs[1:])
     assert (got - expected).abs().max() < 0.02, (got - expected).abs().max()
     # echo beside a completion: the prompt's text, then the completion's; the prompt's logprobs first
-    both = _client(stack).completions.create(model="target", prompt=prompt, max_tokens=5, echo=True, logprobs=1,
-                                             temperature=0)  # fmt: skip
+    both = _client(stack).completions.create(
+        model="target", prompt=prompt, max_tokens=5, echo=True, logprobs=1, temperature=0
+    )
     assert both.choices[0].logprobs.token_logprobs[: len(prompt)] == choice.logprobs.token_logprobs
     assert len(both.choices[0].logprobs.token_logprobs) == len(prompt) + both.usage.completion_tokens
     # vLLM's prompt_logprobs: the same values, with ranks
-    vllm = httpx.post(f"{stack.url}/v1/completions", timeout=60, json={
-        "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0}).json()  # fmt: skip
+    vllm = httpx.post(
+        f"{stack.url}/v1/completions",
+        timeout=60,
+        json={"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0},
+    ).json()
     entries = vllm["choices"][0]["prompt_logprobs"]
     assert entries[0] is None and len(entries) == len(prompt)
     for token, entry, value in zip(prompt[1:], entries[1:], choice.logprobs.token_logprobs[1:]):
@@ -139,8 +163,15 @@ def test_vllm_endpoints_request_ids_and_the_model_list(stack):
 
 def test_n_choices_with_a_seed_reproduce_whole_and_streamed(stack):
     client = _client(stack)
-    body = {"model": "target", "prompt": [1, 2, 3, 4], "max_tokens": 10, "temperature": 1.0, "seed": 7, "n": 4,
-            "extra_body": {"return_token_ids": True, "speculation": SPECULATIVE[1]}}  # fmt: skip
+    body = {
+        "model": "target",
+        "prompt": [1, 2, 3, 4],
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "seed": 7,
+        "n": 4,
+        "extra_body": {"return_token_ids": True, "speculation": SPECULATIVE[1]},
+    }
     first = client.completions.create(**body)
     again = client.completions.create(**body)
     assert sorted(c.index for c in first.choices) == [0, 1, 2, 3]
@@ -164,24 +195,37 @@ def test_stop_strings_in_the_output_and_truncated_prompts(stack):
     stop = text[3:5] if len(text) >= 5 else None
     if stop:  # the same request stopped at a string of its own output: the string kept, or not
         cut = client.completions.create(model="target", prompt=[1, 2, 3], max_tokens=16, temperature=0, stop=[stop])
-        kept = client.completions.create(model="target", prompt=[1, 2, 3], max_tokens=16, temperature=0, stop=[stop],
-                                         extra_body={"include_stop_str_in_output": True})  # fmt: skip
+        kept = client.completions.create(
+            model="target",
+            prompt=[1, 2, 3],
+            max_tokens=16,
+            temperature=0,
+            stop=[stop],
+            extra_body={"include_stop_str_in_output": True},
+        )
         assert kept.choices[0].text == cut.choices[0].text + stop and text.startswith(kept.choices[0].text)
-    truncated = client.completions.create(model="target", prompt=[9, 9, 9, 1, 2, 3], max_tokens=16, temperature=0,
-                                          extra_body={"truncate_prompt_tokens": 3})  # fmt: skip
+    truncated = client.completions.create(
+        model="target",
+        prompt=[9, 9, 9, 1, 2, 3],
+        max_tokens=16,
+        temperature=0,
+        extra_body={"truncate_prompt_tokens": 3},
+    )
     assert truncated.usage.prompt_tokens == 3 and truncated.choices[0].text == text
 
 
 def test_a_batch_of_prompts_is_a_choice_per_prompt_and_sample(stack):
     client = _client(stack)
     batch = [[1, 2, 3], [7, 8, 9, 10]]
-    reply = client.completions.create(model="target", prompt=batch, max_tokens=6, temperature=0, n=2,
-                                      extra_body={"return_token_ids": True})  # fmt: skip
+    reply = client.completions.create(
+        model="target", prompt=batch, max_tokens=6, temperature=0, n=2, extra_body={"return_token_ids": True}
+    )
     assert sorted(c.index for c in reply.choices) == [0, 1, 2, 3] and reply.usage.prompt_tokens == 7
     by_index = {c.index: c.model_extra["token_ids"] for c in reply.choices}
     for number, prompt in enumerate(batch):
-        alone = client.completions.create(model="target", prompt=prompt, max_tokens=6, temperature=0,
-                                          extra_body={"return_token_ids": True})  # fmt: skip
+        alone = client.completions.create(
+            model="target", prompt=prompt, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
+        )
         assert by_index[2 * number] == by_index[2 * number + 1] == alone.choices[0].model_extra["token_ids"]
     texts = client.completions.create(model="target", prompt=["ab", "cd"], max_tokens=3, temperature=0, echo=True)
     assert [c.text[:2] for c in sorted(texts.choices, key=lambda c: c.index)] == ["ab", "cd"]
@@ -192,10 +236,16 @@ def test_greedy_choices_are_the_single_choice_output_on_a_long_prompt(stack):
     target-only output, also where the prefill runs eager (over 16 tokens)."""
     client = _client(stack)
     prompt = list(range(40, 70))
-    alone = client.completions.create(model="target", prompt=prompt, max_tokens=8, temperature=0,
-                                      extra_body={"return_token_ids": True}).choices[0].model_extra["token_ids"]  # fmt: skip
-    three = client.completions.create(model="target", prompt=prompt, max_tokens=8, temperature=0, n=3,
-                                      extra_body={"return_token_ids": True})  # fmt: skip
+    alone = (
+        client.completions.create(
+            model="target", prompt=prompt, max_tokens=8, temperature=0, extra_body={"return_token_ids": True}
+        )
+        .choices[0]
+        .model_extra["token_ids"]
+    )
+    three = client.completions.create(
+        model="target", prompt=prompt, max_tokens=8, temperature=0, n=3, extra_body={"return_token_ids": True}
+    )
     assert [c.model_extra["token_ids"] for c in three.choices] == [alone] * 3
 
 
@@ -224,8 +274,9 @@ def test_a_prompt_is_scored_in_chunks_and_in_float32_where_the_matrices_are_16_b
     greedy = SamplingParams(temperature=0, logprobs=True, top_logprobs=2)
 
     def verifier(precise: bool) -> Verifier:
-        loaded = load_model(str(target_dir), torch.device("cpu"), torch.float32, matmul_dtype=matmul_dtype,
-                            precise_scoring=precise)  # fmt: skip
+        loaded = load_model(
+            str(target_dir), torch.device("cpu"), torch.float32, matmul_dtype=matmul_dtype, precise_scoring=precise
+        )
         return Verifier(loaded, VerifyConfig(max_batched_tokens=16), None, None)  # prompts in chunks of 16
 
     def scored(engine: Verifier, session: str):

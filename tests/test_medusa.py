@@ -63,12 +63,43 @@ def test_train_medusa_learns_the_targets_later_tokens_in_seconds(tiny_pair, tmp_
     for name in ("textwrap.py", "string.py", "bisect.py", "heapq.py", "shlex.py", "glob.py"):
         (data / name).write_text((stdlib / name).read_text())
     out = tmp_path / "heads"
-    assert train_medusa.main(["--target", str(target_dir), "--out", str(out), "--data", str(data), "--heads", "2",
-                              "--tokens", "60000", "--lr", "0.01", "--seq-len", "128", "--batch", "4", "--positions", "32",
-                              "--replay-prompts", "2", "--replay-prefix", "32", "--replay-tokens", "16"]) == 0  # fmt: skip
+    assert (
+        train_medusa.main(
+            [
+                "--target",
+                str(target_dir),
+                "--out",
+                str(out),
+                "--data",
+                str(data),
+                "--heads",
+                "2",
+                "--tokens",
+                "60000",
+                "--lr",
+                "0.01",
+                "--seq-len",
+                "128",
+                "--batch",
+                "4",
+                "--positions",
+                "32",
+                "--replay-prompts",
+                "2",
+                "--replay-prefix",
+                "32",
+                "--replay-tokens",
+                "16",
+            ]
+        )
+        == 0
+    )
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "loss_curves.png", "model.safetensors", "training_report.json"
-    ]  # fmt: skip
+        "config.json",
+        "loss_curves.png",
+        "model.safetensors",
+        "training_report.json",
+    ]
     report = json.loads((out / "training_report.json").read_text())
     target = train_medusa.recipe.load_model(target_dir)
     from transformers import AutoTokenizer
@@ -195,9 +226,17 @@ def test_greedy_medusa_output_equals_target_only_chains_and_trees(request, tiny_
 
 
 def complete(url: str, prompt, speculation: dict) -> dict:
-    reply = httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "prompt": list(prompt), "max_tokens": 32, "temperature": 0, "return_token_ids": True,
-        "speculation": speculation})  # fmt: skip
+    reply = httpx.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        json={
+            "prompt": list(prompt),
+            "max_tokens": 32,
+            "temperature": 0,
+            "return_token_ids": True,
+            "speculation": speculation,
+        },
+    )
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -214,9 +253,18 @@ def test_sampled_medusa_rounds_follow_the_target_distribution(stack):
     prompt, _ = _copy_firing_prompt(stack.target_dir, PROMPTS[0])
 
     def run(seed):
-        body = httpx.post(f"{stack.url}/v1/completions", timeout=120, json={
-            "prompt": prompt, "max_tokens": 4, "temperature": 1.0, "seed": seed, "return_token_ids": True,
-            "speculation": {"method": "medusa", "num_speculative_tokens": 3, "adaptive": False}}).json()  # fmt: skip
+        body = httpx.post(
+            f"{stack.url}/v1/completions",
+            timeout=120,
+            json={
+                "prompt": prompt,
+                "max_tokens": 4,
+                "temperature": 1.0,
+                "seed": seed,
+                "return_token_ids": True,
+                "speculation": {"method": "medusa", "num_speculative_tokens": 3, "adaptive": False},
+            },
+        ).json()
         return body["choices"][0]["token_ids"], body["usage"]["speculation"]
 
     with ThreadPoolExecutor(16) as pool:
@@ -240,8 +288,21 @@ def test_a_verifier_refuses_to_start_with_heads_made_for_another_target(tiny_pai
     other, _ = save_pair(tmp_path / "other", layers=3)
     save_heads(MedusaHeads(MedusaConfig.for_target(other, 2)), tmp_path / "heads")
     env = {**os.environ, "SPECSERVE_VERIFY_COMPILE_STEPS": "0", "SPECSERVE_VERIFY_THREADS": "1"}
-    command = [sys.executable, "-m", "verify_service", "--model", str(target_dir), "--medusa", str(tmp_path / "heads"),
-               "--port", str(free_port()), "--metrics-port", "0", "--health-port", str(free_port())]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "verify_service",
+        "--model",
+        str(target_dir),
+        "--medusa",
+        str(tmp_path / "heads"),
+        "--port",
+        str(free_port()),
+        "--metrics-port",
+        "0",
+        "--health-port",
+        str(free_port()),
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "refusing to start: the heads were made for another target" in result.stderr

@@ -22,8 +22,9 @@ def test_usage_is_openais_three_counts_unless_speculation_is_asked(stack):
     assert plain.usage == openai.types.CompletionUsage(
         completion_tokens=5, prompt_tokens=prompt_tokens, total_tokens=prompt_tokens + 5
     )
-    asked = client.completions.create(model="target", prompt="def f(x):", max_tokens=5, temperature=0,
-                                      extra_body={"speculation": SPECULATIVE})  # fmt: skip
+    asked = client.completions.create(
+        model="target", prompt="def f(x):", max_tokens=5, temperature=0, extra_body={"speculation": SPECULATIVE}
+    )
     assert asked.usage.model_extra["speculation"]["num_drafts"] >= 1
     chat = client.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert set(chat.usage.model_dump(exclude_none=True)) == {"prompt_tokens", "completion_tokens", "total_tokens"}
@@ -34,9 +35,15 @@ def test_a_stream_sends_a_chunk_per_token_and_continuous_usage(stack):
     one, each choice's chunks counting up its usage where continuous_usage_stats asks."""
     client = _client(stack)
     stream = client.completions.create(
-        model="target", prompt="ab ab ab ab ab", max_tokens=6, n=3, stream=True, temperature=0,
+        model="target",
+        prompt="ab ab ab ab ab",
+        max_tokens=6,
+        n=3,
+        stream=True,
+        temperature=0,
         stream_options={"include_usage": True, "continuous_usage_stats": True},
-        extra_body={"speculation": SPECULATIVE, "return_token_ids": True})  # fmt: skip
+        extra_body={"speculation": SPECULATIVE, "return_token_ids": True},
+    )
     chunks = list(stream)
     per_choice: dict[int, list] = {0: [], 1: [], 2: []}
     for chunk in chunks[:-1]:
@@ -50,12 +57,24 @@ def test_a_stream_sends_a_chunk_per_token_and_continuous_usage(stack):
 
 def test_logprobs_0_token_ids_as_names_and_stop_reasons(stack):
     client = _client(stack)
-    zero = client.completions.create(model="target", prompt="def f(x):", max_tokens=4, temperature=0, logprobs=0,
-                                     extra_body={"return_token_ids": True})  # fmt: skip
+    zero = client.completions.create(
+        model="target",
+        prompt="def f(x):",
+        max_tokens=4,
+        temperature=0,
+        logprobs=0,
+        extra_body={"return_token_ids": True},
+    )
     logprobs = zero.choices[0].logprobs
     assert [list(top) for top in logprobs.top_logprobs] == [[token] for token in logprobs.tokens]
-    named = client.completions.create(model="target", prompt="def f(x):", max_tokens=4, temperature=0, logprobs=2,
-                                      extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})  # fmt: skip
+    named = client.completions.create(
+        model="target",
+        prompt="def f(x):",
+        max_tokens=4,
+        temperature=0,
+        logprobs=2,
+        extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True},
+    )
     ids = named.choices[0].model_extra["token_ids"]
     assert ids == zero.choices[0].model_extra["token_ids"]
     assert named.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids]
@@ -65,19 +84,34 @@ def test_logprobs_0_token_ids_as_names_and_stop_reasons(stack):
         model="target", prompt="def f(x):", max_tokens=4, temperature=0, stop=[text[1:3]]
     )
     assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].model_extra["stop_reason"] == text[1:3]
-    by_id = client.completions.create(model="target", prompt="def f(x):", max_tokens=4, temperature=0,
-                                      extra_body={"stop_token_ids": [ids[1]]})  # fmt: skip
+    by_id = client.completions.create(
+        model="target", prompt="def f(x):", max_tokens=4, temperature=0, extra_body={"stop_token_ids": [ids[1]]}
+    )
     assert by_id.choices[0].model_extra["stop_reason"] == ids[1] and by_id.choices[0].finish_reason == "stop"
     assert zero.choices[0].model_extra["stop_reason"] is None
     # A stop string inside a speculative round: a plain answer ends where the stream does.
-    body = {"prompt": "ab ab ab ab ab ab", "max_tokens": 24, "temperature": 0, "return_token_ids": True,
-            "speculation": SPECULATIVE}  # fmt: skip
+    body = {
+        "prompt": "ab ab ab ab ab ab",
+        "max_tokens": 24,
+        "temperature": 0,
+        "return_token_ids": True,
+        "speculation": SPECULATIVE,
+    }
     whole = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
     stop = whole["text"][3:5]
     plain = httpx.post(f"{stack.url}/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()
-    streamed = list(client.completions.create(model="target", prompt=body["prompt"], max_tokens=24, temperature=0,
-                                              stop=[stop], stream=True, stream_options={"include_usage": True},
-                                              extra_body={"return_token_ids": True, "speculation": SPECULATIVE}))  # fmt: skip
+    streamed = list(
+        client.completions.create(
+            model="target",
+            prompt=body["prompt"],
+            max_tokens=24,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True, "speculation": SPECULATIVE},
+        )
+    )
     streamed_ids = [t for chunk in streamed[:-1] for t in chunk.choices[0].model_extra["token_ids"]]
     assert plain["choices"][0]["token_ids"] == streamed_ids and plain["usage"]["completion_tokens"] == len(streamed_ids)
     assert plain["usage"]["completion_tokens"] == streamed[-1].usage.completion_tokens < 24
@@ -86,22 +120,30 @@ def test_logprobs_0_token_ids_as_names_and_stop_reasons(stack):
 def test_chat_echo_continues_the_final_message_and_carries_prompt_fields_beside_the_choices(stack):
     client = _client(stack)
     messages = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "one two"}]
-    body = {"echo": True, "continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True,
-            "prompt_logprobs": 1}  # fmt: skip
-    reply = client.chat.completions.create(model="target", messages=messages, max_tokens=4, temperature=0,
-                                           extra_body=body)  # fmt: skip
+    body = {
+        "echo": True,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "return_token_ids": True,
+        "prompt_logprobs": 1,
+    }
+    reply = client.chat.completions.create(
+        model="target", messages=messages, max_tokens=4, temperature=0, extra_body=body
+    )
     assert reply.choices[0].message.content.startswith("one two") and reply.choices[0].message.role == "assistant"
     prompt_ids = reply.model_extra["prompt_token_ids"]
     rendered = httpx.post(f"{stack.url}/detokenize", json={"tokens": prompt_ids}).json()["prompt"]
     assert rendered.endswith("one two")  # left open: no end of the assistant's turn
     assert len(reply.model_extra["prompt_logprobs"]) == len(prompt_ids)
     assert "prompt_token_ids" not in reply.choices[0].model_extra
-    plain = client.chat.completions.create(model="target", messages=messages, max_tokens=4, temperature=0,
-                                           extra_body={**body, "echo": False})  # fmt: skip
+    plain = client.chat.completions.create(
+        model="target", messages=messages, max_tokens=4, temperature=0, extra_body={**body, "echo": False}
+    )
     assert reply.choices[0].message.content == "one two" + plain.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="continue_final_message"):
-        client.chat.completions.create(model="target", messages=messages, max_tokens=2,
-                                       extra_body={"continue_final_message": True})  # fmt: skip
+        client.chat.completions.create(
+            model="target", messages=messages, max_tokens=2, extra_body={"continue_final_message": True}
+        )
 
 
 def test_vllms_routes_invocations_ping_tokenize_and_a_model_by_name(stack):

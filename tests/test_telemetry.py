@@ -62,8 +62,12 @@ def wait_for_trace(collector: SpanCollector, rounds: int, timeout_s: float = 30)
 def test_one_request_is_one_trace_across_all_three_processes(traced, tmp_path):
     stack, collector, _, _ = traced
     # A fixed K: an adaptive request's target-only stretches would add Decode calls to the trace.
-    body = {"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0,
-            "speculation": {"num_speculative_tokens": 3, "adaptive": False}}  # fmt: skip
+    body = {
+        "prompt": [5, 6, 7],
+        "max_tokens": 12,
+        "temperature": 0,
+        "speculation": {"num_speculative_tokens": 3, "adaptive": False},
+    }
     reply = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()
     httpx.get(f"{stack.url}/health")  # health checks must not appear in any trace
     rounds = reply["usage"]["speculation"]["num_drafts"]
@@ -201,8 +205,13 @@ def test_the_gateway_shows_vllms_names_with_the_values_of_specserves(traced):
     before = samples(httpx.get(f"{stack.url}/metrics").text)
     usages, requests, max_tokens = [], 3, 10
     for seed in range(requests):
-        body = {"prompt": [11, seed, 3], "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
-                "speculation": {"num_speculative_tokens": 3}}  # fmt: skip
+        body = {
+            "prompt": [11, seed, 3],
+            "max_tokens": max_tokens,
+            "temperature": 0.8,
+            "seed": seed,
+            "speculation": {"num_speculative_tokens": 3},
+        }
         usages.append(httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()["usage"])
     text = httpx.get(f"{stack.url}/metrics").text
     after = samples(text)
@@ -216,8 +225,12 @@ def test_the_gateway_shows_vllms_names_with_the_values_of_specserves(traced):
     assert delta(before, after, "vllm:prompt_tokens_total") == prompt == requests * 3
     assert delta(before, after, "vllm:generation_tokens_total") == generated == requests * max_tokens
     assert delta(before, after, "vllm:request_success_total", finished_reason="length") == requests
-    for name, total in (("request_prompt_tokens", prompt), ("request_generation_tokens", generated),
-                        ("request_params_max_tokens", requests * max_tokens), ("request_params_n", requests)):  # fmt: skip
+    for name, total in (
+        ("request_prompt_tokens", prompt),
+        ("request_generation_tokens", generated),
+        ("request_params_max_tokens", requests * max_tokens),
+        ("request_params_n", requests),
+    ):
         assert delta(before, after, f"vllm:{name}_count") == requests, name
         assert delta(before, after, f"vllm:{name}_sum") == total, name
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
@@ -232,9 +245,14 @@ def test_the_gateway_shows_vllms_names_with_the_values_of_specserves(traced):
         u["speculation"]["num_accepted_tokens"] for u in usages
     )
     assert counter(text, "vllm:num_requests_running") == 0 and counter(text, "vllm:num_requests_waiting") == 0
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
-                 "vllm:request_params_n_bucket", "vllm:time_per_output_token_seconds_sum",
-                 "vllm:e2e_request_latency_seconds_bucket"):  # fmt: skip
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prompt_tokens_total",
+        "vllm:request_params_n_bucket",
+        "vllm:time_per_output_token_seconds_sum",
+        "vllm:e2e_request_latency_seconds_bucket",
+    ):
         assert name in text, name
 
 
@@ -275,8 +293,13 @@ def test_a_request_whose_rounds_the_verifier_drafts_is_one_trace_round_by_round(
     """The gateway's request, its Decode call, the verifier's server span, and under it each
     round's drafting, target forward and decision; the drafter's metrics on the verifier's port."""
     stack, collector, verify_metrics = traced_colocated
-    body = {"prompt": [5, 6, 9], "max_tokens": 16, "temperature": 0, "return_timings": True,
-            "speculation": {"num_speculative_tokens": 3, "adaptive": False}}  # fmt: skip
+    body = {
+        "prompt": [5, 6, 9],
+        "max_tokens": 16,
+        "temperature": 0,
+        "return_timings": True,
+        "speculation": {"num_speculative_tokens": 3, "adaptive": False},
+    }
     usage = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()["usage"]
     rounds = usage["timings"]["rounds"]
     assert usage["speculation"]["num_drafts"] == rounds and usage["timings"]["rounds_by_k"].get("3", 0) >= 1
@@ -305,8 +328,13 @@ def test_a_medusa_request_beside_a_draft_service_is_one_decode_call_and_no_draft
     methods: one Decode call, the heads' drafting, the target's forward and the decision of
     each round under its server span, and nothing from the draft service."""
     stack, collector, _, _ = traced
-    body = {"prompt": [5, 6, 10], "max_tokens": 16, "temperature": 0, "return_timings": True,
-            "speculation": {"method": "medusa", "num_speculative_tokens": 3, "adaptive": False}}  # fmt: skip
+    body = {
+        "prompt": [5, 6, 10],
+        "max_tokens": 16,
+        "temperature": 0,
+        "return_timings": True,
+        "speculation": {"method": "medusa", "num_speculative_tokens": 3, "adaptive": False},
+    }
     usage = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()["usage"]
     rounds = usage["timings"]["rounds"]
     assert usage["speculation"]["num_drafts"] >= 1

@@ -151,8 +151,9 @@ def test_greedy_tree_keeps_the_longest_path_of_argmaxes():
     assert num_accepted.tolist() == [2] and path.tolist() == [[2, 5]] and output.tolist() == [[2, 0, 3]]
     assert tree_depths(parents, torch.tensor([6])).tolist() == [[0, 1, 1, 2, 2, 2]]
     # A chain is a tree: the same result as the chain's rule.
-    chain_output, chain_accepted, _ = tree_greedy_verify_reference(logits[:, [0, 2, 5]], torch.tensor([[-1, 0, 1]]),
-                                                                   torch.tensor([[0, 2, 0]]), torch.tensor([3]))  # fmt: skip
+    chain_output, chain_accepted, _ = tree_greedy_verify_reference(
+        logits[:, [0, 2, 5]], torch.tensor([[-1, 0, 1]]), torch.tensor([[0, 2, 0]]), torch.tensor([3])
+    )
     assert chain_accepted.tolist() == [2] and chain_output.tolist() == [[2, 0, 3]]
 
 
@@ -174,8 +175,11 @@ def _random_trees(generator, batch: int, n_max: int, vocab: int, support: int, d
         q_ids[..., -1], q_probs[..., -1] = -1, 0.0  # padding
     parent_q = q_ids.gather(1, parents.clamp(min=0)[..., None].expand(-1, -1, support))
     pick = torch.randint(0, max(1, support - 1), (batch, n_max), generator=generator)
-    tokens = torch.where(torch.rand(batch, n_max, generator=generator) < 0.5, parent_q.gather(2, pick[..., None])[..., 0],
-                         torch.randint(0, vocab, (batch, n_max), generator=generator))  # fmt: skip
+    tokens = torch.where(
+        torch.rand(batch, n_max, generator=generator) < 0.5,
+        parent_q.gather(2, pick[..., None])[..., 0],
+        torch.randint(0, vocab, (batch, n_max), generator=generator),
+    )
     p = torch.where(
         torch.rand(batch, n_max, 1, generator=generator) < 0.5,
         p,

@@ -52,12 +52,20 @@ def test_prefill_verify_release_round_trip(split_verify, draft):
     first = prefill(verify, "round-trip")
     assert first.num_verified == 4
     sequence = [72, 101, 108, first.next_token_id]
-    stream = draft.Draft(iter([draft_pb2.DraftRequest(session_id="round-trip", tokens=sequence, num_verified=4,
-                                                      num_speculative_tokens=3, sampling=GREEDY)]))  # fmt: skip
+    stream = draft.Draft(
+        iter(
+            [
+                draft_pb2.DraftRequest(
+                    session_id="round-trip", tokens=sequence, num_verified=4, num_speculative_tokens=3, sampling=GREEDY
+                )
+            ]
+        )
+    )
     proposal = next(stream)
     assert proposal.num_verified == 4 and len(proposal.draft_token_ids) == 3 and not proposal.draft_distributions
-    reply = verify.Verify(verify_pb2.VerifyRequest(session_id="round-trip", num_verified=4,
-                                                   draft_token_ids=proposal.draft_token_ids))  # fmt: skip
+    reply = verify.Verify(
+        verify_pb2.VerifyRequest(session_id="round-trip", num_verified=4, draft_token_ids=proposal.draft_token_ids)
+    )
     assert 0 <= reply.num_accepted <= 3 and reply.num_verified == 4 + reply.num_accepted + 1
     assert reply.batch_size >= 1
     verify.Release(verify_pb2.ReleaseRequest(session_id="round-trip"))
@@ -65,8 +73,9 @@ def test_prefill_verify_release_round_trip(split_verify, draft):
 
 
 def test_sampled_proposals_carry_exact_sparse_distributions(draft):
-    request = draft_pb2.DraftRequest(session_id="sparse", tokens=[1, 2, 3], num_verified=3,
-                                     num_speculative_tokens=4, sampling=SAMPLED)  # fmt: skip
+    request = draft_pb2.DraftRequest(
+        session_id="sparse", tokens=[1, 2, 3], num_verified=3, num_speculative_tokens=4, sampling=SAMPLED
+    )
     proposal = next(draft.Draft(iter([request])))
     assert len(proposal.draft_distributions) == 4
     for token, distribution in zip(proposal.draft_token_ids, proposal.draft_distributions):
@@ -102,8 +111,9 @@ BAD_DISTRIBUTIONS = [
 def test_bad_draft_distributions_are_invalid_and_change_nothing(verify, distribution):
     session = f"bad-{BAD_DISTRIBUTIONS.index(distribution)}"
     prefill(verify, session, sampling=SAMPLED)
-    request = verify_pb2.VerifyRequest(session_id=session, num_verified=4, draft_token_ids=[5],
-                                       draft_distributions=[distribution], sampling=SAMPLED)  # fmt: skip
+    request = verify_pb2.VerifyRequest(
+        session_id=session, num_verified=4, draft_token_ids=[5], draft_distributions=[distribution], sampling=SAMPLED
+    )
     assert status_of(lambda: verify.Verify(request)).code() == grpc.StatusCode.INVALID_ARGUMENT
     assert verify.Verify(verify_pb2.VerifyRequest(session_id=session, num_verified=4)).num_verified == 5
     verify.Release(verify_pb2.ReleaseRequest(session_id=session))
@@ -128,8 +138,12 @@ def test_too_many_drafts_and_greedy_distributions_are_refused(verify):
     prefill(verify, "limits")
     too_many = verify_pb2.VerifyRequest(session_id="limits", num_verified=4, draft_token_ids=[1] * 17)
     assert status_of(lambda: verify.Verify(too_many)).code() == grpc.StatusCode.INVALID_ARGUMENT
-    greedy_with_q = verify_pb2.VerifyRequest(session_id="limits", num_verified=4, draft_token_ids=[5],
-        draft_distributions=[common_pb2.SparseDistribution(token_ids=[5], probs=[1.0])])  # fmt: skip
+    greedy_with_q = verify_pb2.VerifyRequest(
+        session_id="limits",
+        num_verified=4,
+        draft_token_ids=[5],
+        draft_distributions=[common_pb2.SparseDistribution(token_ids=[5], probs=[1.0])],
+    )
     assert status_of(lambda: verify.Verify(greedy_with_q)).code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -160,8 +174,10 @@ def test_concurrent_verify_calls_share_a_kernel_call(verify):
 
 
 def test_health_and_reflection(stack, split_stack):
-    for address, service in ((stack.verify_address, "specserve.v1.VerifyService"),
-                             (split_stack.draft_address, "specserve.v1.DraftService")):  # fmt: skip
+    for address, service in (
+        (stack.verify_address, "specserve.v1.VerifyService"),
+        (split_stack.draft_address, "specserve.v1.DraftService"),
+    ):
         with grpc.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             for name in ("", service):
@@ -191,8 +207,9 @@ def test_model_info_of_both_services_agree(verify, split_verify, draft):
 
 
 def decode(verify, session_id: str, num_verified: int, max_tokens: int, sampling=None) -> list:
-    request = verify_pb2.DecodeRequest(session_id=session_id, num_verified=num_verified, max_tokens=max_tokens,
-                                       sampling=sampling)  # fmt: skip
+    request = verify_pb2.DecodeRequest(
+        session_id=session_id, num_verified=num_verified, max_tokens=max_tokens, sampling=sampling
+    )
     return list(verify.Decode(request))
 
 
@@ -203,8 +220,12 @@ def test_decode_streams_the_tokens_of_verify_calls_without_drafts(verify, sampli
     assert [r.num_verified for r in streamed] == list(range(5, 17))
     assert all(r.batch_size >= 1 and r.forward_seconds > 0 for r in streamed)
     prefill(verify, f"by-verify-{sampling.temperature}", sampling=sampling)
-    one_by_one = [verify.Verify(verify_pb2.VerifyRequest(session_id=f"by-verify-{sampling.temperature}",
-                                                         num_verified=n)).next_token_id for n in range(4, 16)]  # fmt: skip
+    one_by_one = [
+        verify.Verify(
+            verify_pb2.VerifyRequest(session_id=f"by-verify-{sampling.temperature}", num_verified=n)
+        ).next_token_id
+        for n in range(4, 16)
+    ]
     assert [r.token_id for r in streamed] == one_by_one
     assert start.next_token_id >= 0
     # The session holds every streamed token: rounds go on from there.
@@ -253,8 +274,10 @@ def test_concurrent_decodes_share_batches_and_verify_calls_run_beside_them(verif
     prefill(verify, "verify-beside")
 
     def verify_beside() -> list[int]:
-        return [verify.Verify(verify_pb2.VerifyRequest(session_id="verify-beside", num_verified=n)).num_verified
-                for n in range(4, 14)]  # fmt: skip
+        return [
+            verify.Verify(verify_pb2.VerifyRequest(session_id="verify-beside", num_verified=n)).num_verified
+            for n in range(4, 14)
+        ]
 
     with ThreadPoolExecutor(len(sessions) + 1) as pool:
         beside = pool.submit(verify_beside)
@@ -266,8 +289,13 @@ def test_concurrent_decodes_share_batches_and_verify_calls_run_beside_them(verif
 
 
 def speculative_decode(verify, session_id: str, num_verified: int, max_tokens: int, sampling=None, **speculation):
-    request = verify_pb2.DecodeRequest(session_id=session_id, num_verified=num_verified, max_tokens=max_tokens,
-                                       sampling=sampling, speculation=verify_pb2.Speculation(**speculation))  # fmt: skip
+    request = verify_pb2.DecodeRequest(
+        session_id=session_id,
+        num_verified=num_verified,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        speculation=verify_pb2.Speculation(**speculation),
+    )
     return list(verify.Decode(request))
 
 
@@ -288,12 +316,20 @@ def test_a_speculative_decode_streams_rounds_whose_tokens_are_target_only_decodi
 
 @pytest.mark.parametrize(
     "speculation",
-    [{"method": "nope", "num_speculative_tokens": 4}, {"method": "draft_model", "num_speculative_tokens": 0},
-     {"method": "draft_model", "num_speculative_tokens": 99}, {"method": "ngram", "num_speculative_tokens": 4,
-                                                              "min_draft_probability": 2.0},
-     {"method": "draft_model", "num_speculative_tokens": 4, "adaptive": True, "adaptive_k_min": 5,
-      "adaptive_k_max": 2}],
-)  # fmt: skip
+    [
+        {"method": "nope", "num_speculative_tokens": 4},
+        {"method": "draft_model", "num_speculative_tokens": 0},
+        {"method": "draft_model", "num_speculative_tokens": 99},
+        {"method": "ngram", "num_speculative_tokens": 4, "min_draft_probability": 2.0},
+        {
+            "method": "draft_model",
+            "num_speculative_tokens": 4,
+            "adaptive": True,
+            "adaptive_k_min": 5,
+            "adaptive_k_max": 2,
+        },
+    ],
+)
 def test_bad_speculation_is_invalid_and_changes_nothing(verify, speculation):
     prefill(verify, "bad-speculation")
     error = status_of(lambda: speculative_decode(verify, "bad-speculation", 4, 5, **speculation))
@@ -308,14 +344,18 @@ def test_a_draft_service_drafts_a_tree_and_the_verifier_keeps_a_path_of_it(split
     first = prefill(verify, "tree")
     sequence = [72, 101, 108, first.next_token_id]
     tree = common_pb2.TokenTree(parents=[0, 1, 0, 3], ranks=[0, 0, 1, 0])  # two branches of two
-    request = draft_pb2.DraftRequest(session_id="tree", tokens=sequence, num_verified=4, num_speculative_tokens=4,
-                                     sampling=GREEDY, tree=tree)  # fmt: skip
+    request = draft_pb2.DraftRequest(
+        session_id="tree", tokens=sequence, num_verified=4, num_speculative_tokens=4, sampling=GREEDY, tree=tree
+    )
     proposal = next(draft.Draft(iter([request])))
     assert list(proposal.draft_parents) == [0, 1, 0, 3]
     drafts = list(proposal.draft_token_ids)
     assert drafts[0] != drafts[2]  # the first and second choices after the root
-    reply = verify.Verify(verify_pb2.VerifyRequest(session_id="tree", num_verified=4, draft_token_ids=drafts,
-                                                   draft_parents=proposal.draft_parents))  # fmt: skip
+    reply = verify.Verify(
+        verify_pb2.VerifyRequest(
+            session_id="tree", num_verified=4, draft_token_ids=drafts, draft_parents=proposal.draft_parents
+        )
+    )
     paths = ([], [drafts[0]], drafts[:2], [drafts[2]], drafts[2:])
     assert list(reply.accepted_token_ids) in paths
     assert reply.num_accepted == len(reply.accepted_token_ids) and reply.num_verified == 5 + reply.num_accepted
@@ -334,10 +374,17 @@ def test_bad_trees_are_refused_and_the_session_goes_on(split_verify, parents, sa
     prefill(verify, "bad-tree", sampling=sampling)
     distributions = []
     if sampling is SAMPLED:
-        distributions = [common_pb2.SparseDistribution(token_ids=[5, 6], probs=[0.5, 0.5]),
-                         common_pb2.SparseDistribution(token_ids=[6, 5], probs=[0.5, 0.5])]  # fmt: skip
-    request = verify_pb2.VerifyRequest(session_id="bad-tree", num_verified=4, draft_token_ids=[5, 6],
-                                       draft_parents=parents, draft_distributions=distributions)  # fmt: skip
+        distributions = [
+            common_pb2.SparseDistribution(token_ids=[5, 6], probs=[0.5, 0.5]),
+            common_pb2.SparseDistribution(token_ids=[6, 5], probs=[0.5, 0.5]),
+        ]
+    request = verify_pb2.VerifyRequest(
+        session_id="bad-tree",
+        num_verified=4,
+        draft_token_ids=[5, 6],
+        draft_parents=parents,
+        draft_distributions=distributions,
+    )
     error = status_of(lambda: verify.Verify(request))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.details()
     assert verify.Verify(verify_pb2.VerifyRequest(session_id="bad-tree", num_verified=4)).num_verified == 5
@@ -348,7 +395,14 @@ def test_bad_trees_are_refused_and_the_session_goes_on(split_verify, parents, sa
 )
 def test_a_draft_service_refuses_a_tree_for_ngram_or_of_the_wrong_size(draft, method, k, message):
     tree = common_pb2.TokenTree(parents=[0, 0], ranks=[0, 1])
-    request = draft_pb2.DraftRequest(session_id=f"bad-tree-{method}", tokens=[1, 2, 3], num_verified=3,
-                                     num_speculative_tokens=k, sampling=GREEDY, tree=tree, method=method)  # fmt: skip
+    request = draft_pb2.DraftRequest(
+        session_id=f"bad-tree-{method}",
+        tokens=[1, 2, 3],
+        num_verified=3,
+        num_speculative_tokens=k,
+        sampling=GREEDY,
+        tree=tree,
+        method=method,
+    )
     error = status_of(lambda: next(draft.Draft(iter([request]))))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.details()

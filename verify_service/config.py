@@ -21,7 +21,8 @@ class VerifyConfig(ServiceOptions):
     max_batch: int = field(64, "most calls verified in one batch")
     max_wait_ms: float = field(
         0.0,
-        "how long a lone call waits for others to share its batch (calls that arrive during a batch join the next one anyway)",
+        "how long a lone call waits for others to share its batch (calls that arrive during a batch join the "
+        "next one anyway)",
     )
     matmul_dtype: str = field(
         "auto",
@@ -55,7 +56,6 @@ class VerifyConfig(ServiceOptions):
         "directory of Medusa heads made for this target (specserve train-medusa): requests with method medusa "
         "then draft from the target's own hidden state, no draft model (empty: not served)",
     )
-    ngram_max: int = field(4, "longest suffix the colocated ngram drafter looks up")
     lookahead_window: int = field(
         DEFAULT_WINDOW, "method lookahead: W, guesses per level of the Jacobi window (a request may set its own)"
     )
@@ -68,20 +68,6 @@ class VerifyConfig(ServiceOptions):
         "method lookahead: the rounds that feed the Jacobi window: all (the paper's), uncopied (only those with no "
         "copy of the context to verify: on a CPU every token fed costs), or auto (all on a GPU, uncopied on a CPU)",
     )
-    copy_min_ngram: int = field(
-        2,
-        "a colocated model's drafts start with a copy of what followed where the sequence's last copy_min_ngram "
-        "(or more) tokens occurred before, while such copies hold the target's tokens at least as often as "
-        "the model's drafts, and the model drafts the rest (0: never copy; Medusa rounds copy after any "
-        "repeated token unless 0)",
-    )
-    process_draft_logits: bool = field(
-        False,
-        "apply a request's logits processing (penalties, biases, masks) to the draft's own logits as to the "
-        "target's: more drafts hold where the draft's logits are scaled like the target's; the demo draft's are "
-        "flatter, and kept fewer with it (docs/benchmarks.md). Exact either way",
-    )
-    support_size: int = field(32, "colocated draft tokens are drawn from the draft's top support_size tokens")
     max_workers: int = field(
         300, "gRPC worker threads (concurrent calls in flight; each Decode stream holds one while it lasts)"
     )

@@ -34,7 +34,8 @@ class MedusaDrafting:
     def __init__(
         self, heads: MedusaHeads, lm_head: Linear, ngram_max: int, copy: bool = True, eos_token_ids: tuple = ()
     ):
-        """lm_head: the target runner's (eos_token_ids: the target's, for logits processing). The heads' matrices are multiplied as one, in the LM
+        """lm_head: the target runner's (eos_token_ids: the target's, for logits processing).
+        The heads' matrices are multiplied as one, in the LM
         head's dtype (a 16-bit one prepacked: each round's product is one row per head)."""
         self.num_heads = heads.config.num_heads
         weight = torch.cat([head.weight for head in heads.heads]).detach()  # [heads * hidden, hidden]

@@ -326,7 +326,8 @@ class CompiledSteps:
         writes: tuple[list[int], list[int], list[int]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Logits [len(slots), vocab] float32 of one token per row, their argmax [len(slots)]
-        and the normed hidden states [len(slots), hidden] they came from. writes: (row, slot, position) of every place a new key is stored, where
+        and the normed hidden states [len(slots), hidden] they came from.
+        writes: (row, slot, position) of every place a new key is stored, where
         that is not only each row's own (a token tree's nodes)."""
         runner = self.runner
         num_keys = min(runner.max_len, -(-(max(positions) + 1) // KEY_BLOCK) * KEY_BLOCK)

@@ -3,7 +3,8 @@
 Each service runs its model from one worker, which keeps per-session caches single-threaded
 and lets concurrent calls from different sessions share a forward pass or a kernel call.
 The services run the worker on the main thread (run()): torch's OpenMP thread team, driven
-from another thread and idle between calls, made a decode step more than twice as slow. Items already queued when a batch starts join it; max_wait_s bounds how long a
+from another thread and idle between calls, made a decode step more than twice as slow.
+Items already queued when a batch starts join it; max_wait_s bounds how long a
 lone item waits for company. An item whose process() result is Again goes on in the next
 batch, ahead of new items (but leaving them up to half of it), under the same future: a
 decode makes one token per batch.

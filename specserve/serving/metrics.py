@@ -99,7 +99,8 @@ class GatewayMetrics:
         )
         self.round_seconds = Histogram(
             "specserve:round_seconds",
-            "Time of one round by hop: draft and verify calls as the gateway saw them, wire = calls minus the services' own time.",
+            "Time of one round by hop: draft and verify calls as the gateway saw them, "
+            "wire = calls minus the services' own time.",
             ["hop"],
             buckets=LATENCY_BUCKETS,
             registry=r,

@@ -434,8 +434,8 @@ def run(args, url: str | None, metrics_port: int | None = None) -> list[Row]:
     if metrics_port is not None:
         wait_for_compiled_steps(metrics_port, time.monotonic() + 300)
     # Interleave: prompt by prompt, every row of a group gets its turn.
-    steps = [(row, [p]) for i in range(args.prompts) for row in rows for p in [prompts[row.workload][i % len(prompts[row.workload])]]
-             if row.clients == 1]  # fmt: skip
+    steps = [(row, [p]) for i in range(args.prompts) for row in rows
+             for p in [prompts[row.workload][i % len(prompts[row.workload])]] if row.clients == 1]  # fmt: skip
     steps += load_steps([row for row in rows if row.clients > 1], prompts)
     for row, batch in tqdm(steps, desc="bench", unit="step", file=sys.stderr):
         if row.method in LOCAL:
@@ -538,8 +538,9 @@ def results(rows: list[Row]) -> list[dict]:
                          (row.workload, row.temperature, row.clients, "none")), None)  # fmt: skip
         single = next((r for r in rows if (r.workload, r.temperature, r.label) ==
                        (row.workload, row.temperature, row.label) and r.clients == 1), None)  # fmt: skip
-        record = {"workload": row.workload, "temperature": row.temperature, "clients": row.clients, "method": row.method,
-                  "k": row.k, "dtype": row.dtype, "adaptive": row.adaptive, "pipeline": row.pipeline, "min_draft_probability": row.min_draft_probability, "label": row.label,
+        record = {"workload": row.workload, "temperature": row.temperature, "clients": row.clients,
+                  "method": row.method, "k": row.k, "dtype": row.dtype, "adaptive": row.adaptive,
+                  "pipeline": row.pipeline, "min_draft_probability": row.min_draft_probability, "label": row.label,
                   "requests": row.requests, "completion_tokens": row.completion_tokens,
                   **analyse(row, baseline)}  # fmt: skip
         record["rounds"] = row.rounds
@@ -610,7 +611,8 @@ def start_stack(args, with_ports: bool = False):
     ports = {"gateway": free(), "draft": free(), "verify": free(), "draft_metrics": free(), "verify_metrics": free()}
     command = [sys.executable, "-m", "specserve.cli", "up", "--port", str(ports["gateway"]),
                "--draft-port", str(ports["draft"]), "--verify-port", str(ports["verify"]),
-               "--draft-metrics-port", str(ports["draft_metrics"]), "--verify-metrics-port", str(ports["verify_metrics"]),
+               "--draft-metrics-port", str(ports["draft_metrics"]),
+               "--verify-metrics-port", str(ports["verify_metrics"]),
                "--target", args.target, "--draft", args.draft or "none", "--device", args.device,
                "--max-speculating-requests", getattr(args, "max_speculating_requests", "auto"),
                *(["--draft-service"] if draft_service else []),
@@ -696,7 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "for each of --methods that drafts trees (else draft_model), and an adaptive one "
                              "with --adaptive")  # fmt: skip
     parser.add_argument("--lookahead", nargs="+", default=[""], metavar="W,N,G",
-                        help="with --methods lookahead: a row per shape, window,ngram,guesses ('' the verifier's defaults)")  # fmt: skip
+                        help="with --methods lookahead: a row per shape W,N,G ('' the verifier's)")  # fmt: skip
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="clients at once")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")
@@ -716,9 +718,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of a stack the bench starts, passed on to `specserve up`."""
     parser.add_argument("--medusa", default=None,
-                        help="a stack the bench starts: `specserve up --medusa` (default: the demo's heads with the demo target)")  # fmt: skip
+                        help="a stack the bench starts: `specserve up --medusa` "
+                             "(default: the demo's heads with the demo target)")  # fmt: skip
     parser.add_argument("--copy-min-ngram", type=int, default=None,
-                        help="a stack the bench starts: `specserve up --copy-min-ngram` (default: the services')")  # fmt: skip
+                        help="a stack the bench starts: `specserve up --copy-min-ngram` "
+                             "(default: the services')")  # fmt: skip
     parser.add_argument("--device", default="auto", help="device of a stack the bench starts")
     parser.add_argument(
         "--max-speculating-requests",
@@ -727,7 +731,8 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
         "runs; 0 always speculates",
     )
     parser.add_argument("--draft-service", action="store_true",
-                        help="a stack the bench starts drafts in a draft service of its own (`specserve up --draft-service`)")  # fmt: skip
+                        help="a stack the bench starts drafts in a draft service of its own "
+                             "(`specserve up --draft-service`)")  # fmt: skip
 
 
 def _add_baseline_flags(parser: argparse.ArgumentParser) -> None:
@@ -747,7 +752,8 @@ def _add_baseline_flags(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="a llama.cpp row with prompt-lookup drafting of up to N tokens a round (0: none)",
     )
-    parser.add_argument("--hf-dtypes", nargs="+", default=["float32", "float16"], choices=["float32", "float16", "bfloat16"],
+    parser.add_argument("--hf-dtypes", nargs="+", default=["float32", "float16"],
+                        choices=["float32", "float16", "bfloat16"],
                         help="dtypes of the transformers rows' models (hf_assisted: the first)")  # fmt: skip
 
 

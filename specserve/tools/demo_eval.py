@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     headers = header_check(args.url, function_headers(50), 64)
     print(
-        f"greedy 64-token continuations of {headers['headers']} held-out headers that tokenize: {headers['tokenize_ok']} "
+        f"greedy 64-token continuations of {headers['headers']} held-out headers that tokenize: "
+        f"{headers['tokenize_ok']} "
         f"({headers['cut_inside_string_or_bracket']} more end inside an open string or bracket at the cut, "
         f"{headers['errors']} have other errors)"
     )

@@ -22,7 +22,8 @@ ALLOWED_GRPC = {
     grpc.StatusCode.OUT_OF_RANGE,
 }
 HTTP_KEYS = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-             "seed", "stop", "n", "stream", "stream_options", "speculation", "return_token_ids", "logprobs", "echo")  # fmt: skip
+             "seed", "stop", "n", "stream", "stream_options", "speculation", "return_token_ids", "logprobs",
+             "echo")  # fmt: skip
 
 
 @dataclass
@@ -79,7 +80,8 @@ def fuzz_http(url: str, count: int, tally: Tally, headers: dict | None = None) -
 # Values that have broken servers: non-finite, huge, tiny and denormal numbers (raw JSON,
 # some of which parse to infinities), integers past 32 and 64 bits, and wrong types.
 HOSTILE_VALUES = ["1e999", "-1e999", "NaN", "Infinity", "1e-320", "5e-324", "-0.0", "2147483648", "9223372036854775808",
-                  "18446744073709551616", "1099511627776", "1e308", "-1", "0", "0.5", '"7"', "[]", "{}", "true", "null"]  # fmt: skip
+                  "18446744073709551616", "1099511627776", "1e308", "-1", "0", "0.5", '"7"', "[]", "{}", "true",
+                  "null"]  # fmt: skip
 HOSTILE_FIELDS = ["temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "seed", "n", "logprobs",
                   "best_of", "presence_penalty", "min_p", "stop", "speculation.num_speculative_tokens",
                   "speculation.min_draft_probability"]  # fmt: skip

@@ -70,7 +70,8 @@ def client_loop(
         while time.monotonic() < stop_at:
             prompt = rng.choice(prompts)
             greedy = rng.random() < 0.5
-            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0 if greedy else rng.choice([0.7, 1.0]),
+            body = {"prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0.0 if greedy else rng.choice([0.7, 1.0]),
                     "seed": rng.randrange(2**31),
                     "speculation": {"method": rng.choice(methods),
                                     "num_speculative_tokens": rng.choice([1, 2, 4, 6])}}  # fmt: skip
@@ -144,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     process, url, ports = start_stack(args, with_ports=True)
     try:
         with httpx.Client(timeout=300) as client:
-            references = {p: stream(client, url, {"prompt": p, "max_tokens": args.max_tokens, "temperature": 0,
-                                                  "speculation": {"method": "none"}}, None)[0] for p in prompts}  # fmt: skip
+            target_only = {"max_tokens": args.max_tokens, "temperature": 0, "speculation": {"method": "none"}}
+            references = {p: stream(client, url, {"prompt": p, **target_only}, None)[0] for p in prompts}
             methods = (
                 "draft_model",
                 "draft_model",
@@ -172,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         process.wait(timeout=60)
     latencies = sorted(tally.latencies)
     report = {
-        "clients": args.clients, "duration_s": args.duration, "methods": sorted(set(methods)), "draft_killed_pid": killed,
+        "clients": args.clients, "duration_s": args.duration, "methods": sorted(set(methods)),
+        "draft_killed_pid": killed,
         "requests": tally.requests, "completed": tally.completed, "cancelled": tally.cancelled,
         "failed": len(tally.errors), "errors": tally.errors[:20], "tokens": tally.tokens,
         "tokens_per_s": tally.tokens / args.duration,

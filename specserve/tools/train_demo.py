@@ -260,7 +260,8 @@ class TrainDemoConfig:
         if self.max_positions < self.seq_len:
             raise ValueError("max_positions must be at least seq_len")
         mixes = {"copying": (self.copy_per_batch, self.chat_per_batch, self.repeat_per_batch),
-                 "draft": (self.sampled_per_batch, self.copy_per_batch, self.chat_per_batch, self.draft_repeat_per_batch)}
+                 "draft": (self.sampled_per_batch, self.copy_per_batch, self.chat_per_batch,
+                           self.draft_repeat_per_batch)}
         for name, mixed in mixes.items():
             if min(mixed) < 0 or sum(mixed) >= self.batch_seqs:
                 raise ValueError(f"the {name} batch's sampled, copy, chat and repeat sequences must leave "
@@ -299,7 +300,8 @@ def smoke_config(run_root: Path) -> TrainDemoConfig:
         run_dir=run_root / "run", out_dir=run_root / "out", vocab_size=512, seq_len=64,
         batch_seqs=4, max_positions=128, target_shape=ModelShape(2, 64, 2, 128),
         draft_shape=ModelShape(2, 32, 1, 64), target_tokens=6_000, draft_tokens=4_000,
-        copying_tokens=2_000, repeat_per_batch=1, draft_guide_weight=1.0, warmup_steps=3, sample_count=8, greedy_sample_count=4,
+        copying_tokens=2_000, repeat_per_batch=1, draft_guide_weight=1.0, warmup_steps=3, sample_count=8,
+        greedy_sample_count=4,
         sample_prefix=16, sampled_per_batch=1, copy_per_batch=1,
         eval_seqs=4, eval_every=10, log_every=5, max_files=24,
     )
@@ -950,7 +952,8 @@ def sample_from_target(target, train_seqs: np.ndarray, cfg: TrainDemoConfig, sam
     chunks = []
     started = time.monotonic()
     bounds = [(first, min(first + SAMPLE_CHUNK, end), temperature)
-              for begin, end, temperature in ((0, cfg.sample_count, cfg.sample_temperature), (cfg.sample_count, total, 0.0))
+              for begin, end, temperature in ((0, cfg.sample_count, cfg.sample_temperature),
+                                              (cfg.sample_count, total, 0.0))
               for first in range(begin, end, SAMPLE_CHUNK)]
     for index, (first, last, temperature) in enumerate(bounds):
         path = sample_dir / f"chunk_{index:04d}.npy"
@@ -989,7 +992,8 @@ def run_draft_stage(cfg: TrainDemoConfig) -> None:
     draft = new_model(cfg.draft_shape, cfg, vocab)
     guide = attention_guide(draft, cfg.draft_guide_weight)
     # seed + 1: with no copy or chat rows, the corpus and sampled rows come in v1's order.
-    mix = BatchMix(cfg, cfg.seed + 1, repeat=cfg.draft_repeat_per_batch, extra={"sampled": (samples, cfg.sampled_per_batch)})
+    mix = BatchMix(cfg, cfg.seed + 1, repeat=cfg.draft_repeat_per_batch,
+                   extra={"sampled": (samples, cfg.sampled_per_batch)})
     log.info("draft %s: %.2fM params, distilling on batches of %s sequences", cfg.draft_shape,
              count_params(draft) / 1e6, {name: n for name, (_, n) in mix.sources.items()})
 
@@ -1226,7 +1230,8 @@ def run_eval_stage(cfg: TrainDemoConfig) -> None:
     activation = max_activation(target, as_batch(heldout[:cfg.batch_seqs]))
     from transformers import AutoTokenizer
 
-    metrics["probes"] = probes(cfg, {"target": target, "draft": draft}, AutoTokenizer.from_pretrained(cfg.out_dir / "target"))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.out_dir / "target")
+    metrics["probes"] = probes(cfg, {"target": target, "draft": draft}, tokenizer)
     log.info("eval: %s", json.dumps(metrics))
     log.info("eval: costs %s", json.dumps(costs))
     phases = ("target", "copying", "draft") if cfg.copying_tokens > 0 else ("target", "draft")

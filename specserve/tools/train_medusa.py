@@ -256,7 +256,8 @@ def run(args: argparse.Namespace) -> dict:
     }
     recipe.write_json(out / "training_report.json", report)
     log.info("heads in %s: held-out top-1 %s; greedy tokens a round %s", out,
-             " ".join(f"{x:.2f}" for x in report["heldout"].get("top1", [])), report["greedy_tokens_per_round"])  # fmt: skip
+             " ".join(f"{x:.2f}" for x in report["heldout"].get("top1", [])),
+             report["greedy_tokens_per_round"])  # fmt: skip
     return report
 
 
