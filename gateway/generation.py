@@ -148,11 +148,11 @@ class _Session:
             DraftStream(
                 backends,
                 session_id,
-                plan.method,
-                plan.min_draft_probability,
-                plan.tenant,
-                plan.isolated,
-                len(plan.prompt_token_ids),
+                method=plan.method,
+                min_draft_probability=plan.min_draft_probability,
+                tenant=plan.tenant,
+                isolated=plan.isolated,
+                prompt_length=len(plan.prompt_token_ids),
             )
             if remote
             else None

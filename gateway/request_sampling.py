@@ -60,7 +60,17 @@ def sampling_for(request, vocab_size: int, bad_words: tuple[tuple[int, ...], ...
     if not 0 <= min_p <= 1:
         raise bad_request("min_p must lie in [0, 1]", "min_p")
     processing = dataclasses.replace(processing_for(request, vocab_size), bad_words=bad_words)
-    return SamplingParams(temperature, top_p, top_k, seed, logprobs, top, min_p, bool(request.ignore_eos), processing)
+    return SamplingParams(
+        temperature,
+        top_p,
+        top_k=top_k,
+        seed=seed,
+        logprobs=logprobs,
+        top_logprobs=top,
+        min_p=min_p,
+        ignore_eos=bool(request.ignore_eos),
+        processing=processing,
+    )
 
 
 def processing_for(request, vocab_size: int) -> LogitProcessing:

@@ -189,7 +189,19 @@ async def respond(
         shared = asyncio.get_running_loop().create_future() if copies else None
         for j in range(n):
             text = texts[number] if texts else None
-            runs.append(_start_run(gateway, request, response, stats, plan, number * n + j, j, shared, text))
+            runs.append(
+                _start_run(
+                    gateway,
+                    request,
+                    response=response,
+                    stats=stats,
+                    plan=plan,
+                    index=number * n + j,
+                    j=j,
+                    shared=shared,
+                    text=text,
+                )
+            )
     if request.stream:
         firsts = []
         try:
@@ -249,7 +261,17 @@ def _start_run(
     )
     if plan.max_tokens == 0:
         assembler.finish_reason = "length"  # the prompt's logprobs only
-    return _Run(index, choice, rounds, assembler, stats, observer, response, request.return_timings, outputs)
+    return _Run(
+        index,
+        choice,
+        rounds=rounds,
+        assembler=assembler,
+        stats=stats,
+        observer=observer,
+        response=response,
+        timings=request.return_timings,
+        outputs=outputs,
+    )
 
 
 async def _all_texts(runs: list[_Run], http: Request | None) -> list[str] | None:

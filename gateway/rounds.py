@@ -40,13 +40,13 @@ class GenerationPlan:
         return Speculation(
             self.method,
             self.num_speculative_tokens,
-            self.adaptive,
-            self.k_bounds,
-            self.min_draft_probability,
-            self.tree,
-            self.tenant,
-            self.isolated,
-            self.lookahead,
+            adaptive=self.adaptive,
+            k_bounds=self.k_bounds,
+            min_draft_probability=self.min_draft_probability,
+            tree=self.tree,
+            tenant=self.tenant,
+            isolated=self.isolated,
+            lookahead=self.lookahead,
         )
 
 

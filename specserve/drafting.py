@@ -174,12 +174,12 @@ class Drafter:
             results[index] = Proposal(
                 len(d.verified),
                 tuple(d.drafts),
-                tuple(d.distributions),
-                d.bonus_guess,
-                len(active),
-                started,
-                ended,
-                tuple(d.parents),
+                draft_distributions=tuple(d.distributions),
+                bonus_guess=d.bonus_guess,
+                batch_size=len(active),
+                batch_started_ns=started,
+                batch_ended_ns=ended,
+                draft_parents=tuple(d.parents),
             )
         for model in self.models.values():
             model.backend.trim_branches()

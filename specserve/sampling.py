@@ -86,12 +86,12 @@ class SamplingParams:
             processing=LogitProcessing(
                 message.presence_penalty,
                 message.frequency_penalty,
-                message.repetition_penalty or 1.0,
-                tuple(sorted(message.logit_bias.items())),
-                message.min_tokens,
-                tuple(message.stop_token_ids),
-                tuple(message.allowed_token_ids),
-                tuple(tuple(words.token_ids) for words in message.bad_words),
+                repetition_penalty=message.repetition_penalty or 1.0,
+                logit_bias=tuple(sorted(message.logit_bias.items())),
+                min_tokens=message.min_tokens,
+                stop_token_ids=tuple(message.stop_token_ids),
+                allowed_token_ids=tuple(message.allowed_token_ids),
+                bad_words=tuple(tuple(words.token_ids) for words in message.bad_words),
             ),
             ignore_eos=message.ignore_eos,
         )

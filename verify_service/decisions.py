@@ -85,7 +85,13 @@ def decide_sampled(rows: list, device: torch.device) -> list[tuple[int, int]]:
         uniforms[b] = row_uniforms.cpu()
         noise[b] = row_noise
     output, num_accepted = rejection_sample(
-        target_probs, drafts, num_draft, q_ids.to(device), q_probs.to(device), uniforms.to(device), noise
+        target_probs,
+        drafts,
+        num_draft_tokens=num_draft,
+        draft_q_ids=q_ids.to(device),
+        draft_q_probs=q_probs.to(device),
+        uniforms=uniforms.to(device),
+        exponentials=noise,
     )
     return unpack(output, num_accepted)
 

@@ -287,7 +287,17 @@ class Verifier:
         feed = list(job.token_ids)
         if job.copy_of and job.prompt_logprobs is None and self._copied(job, sequence):
             feed = feed[-1:]  # the rest is in the cache already, copied
-        row = Row(job.session_id, session, feed, (), (), job.sampling, len(job.token_ids), is_new, True)
+        row = Row(
+            job.session_id,
+            session,
+            feed=feed,
+            drafts=(),
+            distributions=(),
+            sampling=job.sampling,
+            first_position=len(job.token_ids),
+            is_new=is_new,
+            is_prefill=True,
+        )
         if job.prompt_logprobs is not None:
             row.prompt_logprobs, row.prompt_top = [], job.prompt_logprobs  # asked for: the forward fills it
         return row
@@ -323,13 +333,13 @@ class Verifier:
         row = Row(
             job.session_id,
             session,
-            feed,
-            job.draft_token_ids,
-            job.draft_distributions,
-            sampling,
-            job.num_verified,
-            False,
-            False,
+            feed=feed,
+            drafts=job.draft_token_ids,
+            distributions=job.draft_distributions,
+            sampling=sampling,
+            first_position=job.num_verified,
+            is_new=False,
+            is_prefill=False,
         )
         if job.draft_parents:
             row.parents = [-1, *job.draft_parents]

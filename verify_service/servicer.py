@@ -78,11 +78,11 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         job = PrefillJob(
             request.session_id,
             tuple(request.token_ids),
-            sampling,
-            prompt,
-            request.copy_of,
-            request.prompt_length,
-            self._grammar(request),
+            sampling=sampling,
+            prompt_logprobs=prompt,
+            copy_of=request.copy_of,
+            prompt_length=request.prompt_length,
+            grammar=self._grammar(request),
         )
         outcome = self._run(job)
         self._metrics.prefills.inc()
