@@ -152,19 +152,27 @@ class LocalDrafting:
         if current is not None and current.speculation == speculation and current.chooser.sampled == sampled:
             return current
         chooser = KChooser(speculation, self.shared, self.max_speculative_tokens, sampled)
-        if speculation.method == "lookahead":
-            shape = self.lookahead.with_settings(speculation.lookahead)  # raises for a bad setting
-            self.close(current)
-            session = LookaheadSession(shape, self.drafter.options.ngram_max, self.lookahead_every_round)
-            pacing = Pacing(self.shared.costs, self.method_rates.setdefault("lookahead", MethodRate()))
-            return SessionDrafts(speculation, None, chooser, session, prompt_length=prompt_length, pacing=pacing)
-        draft = None
-        if speculation.method != "medusa":  # raises for a method not served, or when full
-            draft = self.drafter.open_session(
-                "", speculation.method, speculation.tenant, speculation.isolated, prompt_length
-            )
-        self.close(current)
+        # The verifier's own methods draft from the target's state; the others are the drafter's.
+        opened = {"lookahead": self._open_lookahead, "medusa": self._open_medusa}.get(
+            speculation.method, self._open_drafter
+        )(speculation, chooser, prompt_length)  # raises for a method not served, or when full
+        self.close(current)  # once the new one is open
+        return opened
+
+    def _open_drafter(self, speculation: Speculation, chooser: KChooser, prompt_length: int) -> SessionDrafts:
+        draft = self.drafter.open_session(
+            "", speculation.method, speculation.tenant, speculation.isolated, prompt_length
+        )
         return SessionDrafts(speculation, draft, chooser, prompt_length=prompt_length)
+
+    def _open_medusa(self, speculation: Speculation, chooser: KChooser, prompt_length: int) -> SessionDrafts:
+        return SessionDrafts(speculation, None, chooser, prompt_length=prompt_length)  # the heads keep no state
+
+    def _open_lookahead(self, speculation: Speculation, chooser: KChooser, prompt_length: int) -> SessionDrafts:
+        shape = self.lookahead.with_settings(speculation.lookahead)  # raises for a bad setting
+        session = LookaheadSession(shape, self.drafter.options.ngram_max, self.lookahead_every_round)
+        pacing = Pacing(self.shared.costs, self.method_rates.setdefault("lookahead", MethodRate()))
+        return SessionDrafts(speculation, None, chooser, session, prompt_length=prompt_length, pacing=pacing)
 
     def observe_target_only(self, outcome, round_s: float) -> None:
         """A target-only decode's token: what a round without drafts costs."""
