@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -102,6 +103,14 @@ def test_a_registered_toy_method_is_drafted_checked_and_offered_everywhere(toy):
     assert RequestSpeculation(method="repeat_last").method == "repeat_last"
     up = _parser()._subparsers._group_actions[0].choices["up"]
     assert "repeat_last" in next(a for a in up._actions if a.dest == "method").choices
+
+
+def test_a_method_module_that_does_not_import_is_an_error_that_names_it():
+    env = {**os.environ, "SPECSERVE_METHOD_MODULES": "toy_methods_nowhere"}
+    result = subprocess.run(
+        [sys.executable, "-c", "import specserve.methods.registry"], env=env, capture_output=True, text=True
+    )
+    assert result.returncode != 0 and "SPECSERVE_METHOD_MODULES names 'toy_methods_nowhere'" in result.stderr
 
 
 def test_a_method_module_named_in_the_environment_is_served_by_the_stack(tiny_pair, toy):

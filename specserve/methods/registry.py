@@ -142,8 +142,12 @@ register(
 def load_method_modules(modules: str) -> None:
     """Imports each module named (comma-separated): each registers its methods."""
     for name in (m.strip() for m in modules.split(",")):
-        if name:
+        if not name:
+            continue
+        try:
             importlib.import_module(name)
+        except ImportError as error:
+            raise ImportError(f"SPECSERVE_METHOD_MODULES names {name!r}, which does not import: {error}") from error
 
 
 load_method_modules(os.environ.get("SPECSERVE_METHOD_MODULES", ""))
