@@ -191,8 +191,12 @@ class Drafter:
     def _run_group(self, method: str, batch: list[_Drafting]) -> None:
         proposer = self.proposers.get(method)
         if proposer is not None:
+            vocab = self.options.vocab_size
             for d in batch:
-                d.drafts = proposer.drafts(d.job.session.context, d.verified, d.start, d.k)
+                drafts = list(proposer.drafts(d.job.session.context, d.verified, d.start, d.k))[: d.k]
+                # A proposer's drafts end where one is no token of the vocabulary (a method
+                # registered from outside the project is trusted with nothing more).
+                d.drafts = next((drafts[:i] for i, t in enumerate(drafts) if not 0 <= t < vocab), drafts)
                 if not d.job.sampling.is_greedy:
                     d.distributions = one_hot(d.drafts)
             return

@@ -97,6 +97,23 @@ def test_a_registered_toy_method_is_drafted_checked_and_offered_everywhere(toy):
     assert [(d.token_ids, d.probs) for d in proposal.draft_distributions] == [((9,), (1.0,))] * 2
     drafter.close_session(session)
 
+    class Unruly:  # more drafts than asked, then one past the vocabulary
+        def open(self, tenant, isolated):
+            return None
+
+        def drafts(self, state, verified, start, k):
+            return [4, 5, 299, 300, 6, 7, 8, 9][: k + 4]
+
+        def finish(self, state, tokens):
+            pass
+
+    drafter.proposers["repeat_last"] = Unruly()
+    session = drafter.open_session("u", "repeat_last")
+    [proposal] = drafter.step([DraftJob(session, (5, 6, 7), 3, 3, greedy)])
+    assert proposal.draft_token_ids == (4, 5, 299)
+    [proposal] = drafter.step([DraftJob(session, (1,), 4, 5, greedy)])
+    assert proposal.draft_token_ids == (4, 5, 299)  # cut before 300, which is no token of 300
+
     assert Speculation(method="repeat_last").method == "repeat_last"
     with pytest.raises(Exception, match="drafts chains"):
         Speculation(method="repeat_last", tree=TreeShape.parse([2]))
