@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -30,10 +31,11 @@ def test_every_subcommand_is_listed_and_its_help_shows_defaults():
     assert listing.returncode == 0
     for name in [*SUBCOMMANDS, "gen-protos"]:
         assert name in listing.stdout, name
-    for name in SUBCOMMANDS:
-        helped = specserve(name, "--help")
+    with ThreadPoolExecutor(4) as pool:  # each starts Python and imports torch: seconds, mostly waiting
+        helps = dict(zip(SUBCOMMANDS, pool.map(lambda name: specserve(name, "--help"), SUBCOMMANDS)))
+    for name, helped in helps.items():
         assert helped.returncode == 0 and "default" in helped.stdout, (name, helped.stdout[-500:], helped.stderr)
-    assert "usage: specserve train-demo" in specserve("train-demo", "--help").stdout
+    assert "usage: specserve train-demo" in helps["train-demo"].stdout
 
 
 def listening(port: int) -> socket.socket:
