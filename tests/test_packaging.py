@@ -40,3 +40,17 @@ def test_our_distribution_installs_no_package_named_kernels():
     # pip would write it over Hugging Face's site-packages/kernels/.
     top_level = importlib.metadata.distribution("specserve").read_text("top_level.txt").split()
     assert "specserve_kernels" in top_level and "kernels" not in top_level, top_level
+
+
+def test_every_package_of_the_source_is_in_the_distribution():
+    """pyproject.toml lists the packages by hand (kernels/ installs under another name): a new
+    package missing there imports in an editable install and not in the Docker image's."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(REPO_ROOT).parts)
+        for top in ("specserve", "gateway", "draft_service", "verify_service")
+        for init in (REPO_ROOT / top).rglob("__init__.py")
+    }
+    assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
