@@ -17,7 +17,7 @@ def tree_of_request(asked, default: str, method: str, served: ServedModel) -> Tr
     400 for a shape that is not one or does not fit."""
     if asked is None:
         spec = registry.SPECS.get(method)
-        return TreeShape.parse(default) if default and spec is not None and spec.model else None
+        return TreeShape.parse(default) if default and spec is not None and spec.model and spec.trees else None
     if method not in registry.tree_methods():
         trees = ", ".join(registry.tree_methods())
         raise bad_request(f"a token tree needs a method that drafts trees ({trees}), not {method}", "speculation.tree")

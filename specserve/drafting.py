@@ -116,9 +116,8 @@ class Drafter:
         method = method or "draft_model"
         spec = registry.spec_of(method)
         if method not in self.methods:
-            raise InvalidArgument(
-                f"{method} is not served here (it needs {spec.needs}); served: {', '.join(self.methods)}"
-            )
+            why = f"it needs {spec.needs}" if spec.model else "the verifier drafts it from the target itself"
+            raise InvalidArgument(f"{method} is not served here ({why}); served: {', '.join(self.methods)}")
         proposer = self.proposers.get(method)
         with self._lock:
             if self._sessions >= self.options.max_sessions:

@@ -1,5 +1,5 @@
 """The methods' registry: names are written once and read everywhere, and a method is added
-by one module that registers it (docs/design.md, "Adding a method"): here a toy one,
+by one module that registers it (docs/design.md, "Methods and adding one"): here a toy one,
 registered in-process and, through SPECSERVE_METHOD_MODULES, in every service of a stack."""
 
 from __future__ import annotations

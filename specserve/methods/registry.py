@@ -2,12 +2,14 @@
 the CLI's and the services' choices, the bench's rows, what each service says it serves
 and where a round is drafted are read from these specs, not from lists of names.
 
-Adding a method is a module in specserve/methods/ and a register() line below
-(docs/design.md, "Adding a method"). A method that drafts from the sequence alone gives a
+Adding a method is a module in specserve/methods/ and, below, its import and a register()
+line (docs/design.md, "Methods and adding one"). A method that drafts from the sequence alone gives a
 `context` factory: the drafter (specserve/drafting.py) then serves it in the draft service
 and in the verifier, greedy and sampled (its drafts are one-hot), with no other change. A
 module outside the project registers its methods the same way: name it in
-SPECSERVE_METHOD_MODULES (comma-separated; every service imports it at start).
+SPECSERVE_METHOD_MODULES (comma-separated; every service imports it at start, while this
+registry is being imported, so at import time such a module imports only the registry and
+what its proposer needs, and the project's other modules inside its functions).
 """
 
 from __future__ import annotations
@@ -147,7 +149,11 @@ def load_method_modules(modules: str) -> None:
         try:
             importlib.import_module(name)
         except ImportError as error:
-            raise ImportError(f"SPECSERVE_METHOD_MODULES names {name!r}, which does not import: {error}") from error
+            raise ImportError(
+                f"SPECSERVE_METHOD_MODULES names {name!r}, which does not import: {error} (a method module is "
+                "imported with the registry: at import time it may import only the registry and what its "
+                "proposer needs)"
+            ) from error
 
 
 load_method_modules(os.environ.get("SPECSERVE_METHOD_MODULES", ""))
