@@ -128,14 +128,16 @@ def test_adaptive_k_and_confidence_stop_keep_greedy_output(request, stack_name):
     for speculation in ({"adaptive": True, "num_speculative_tokens": 2}, {"min_draft_probability": 0.6},
                         {"adaptive": False}, {"pipeline": True, "adaptive": False},
                         {"pipeline": True, "adaptive": True, "method": "early_exit"},
-                        {"adaptive": True, "min_draft_probability": 0.3, "method": "ngram"}):  # fmt: skip
+                        {"adaptive": True, "min_draft_probability": 0.3, "method": "ngram"},
+                        {"adaptive": False, "min_draft_probability": 0.3, "method": "ngram"}):  # fmt: skip
         body = complete(stack.url, prompt=list(PROMPTS[1]), max_tokens=40, temperature=0, return_token_ids=True,
                         return_timings=True, speculation=speculation)  # fmt: skip
         assert body["choices"][0]["token_ids"] == reference, speculation
         if speculation.get("pipeline") and "method" not in speculation and stack.draft_address:
             assert body["usage"]["timings"]["pipelined_rounds"] >= 1  # some guesses held (a draft service's rounds)
-    sent = body["usage"]["speculation"]
-    assert sent["num_drafts"] >= 1  # ngram found repeats to copy in this looping output
+    # ngram found repeats to copy in this looping output (fixed K: an adaptive session may
+    # rightly draft nothing in 40 tokens where the process's costs say copies do not pay).
+    assert body["usage"]["speculation"]["num_drafts"] >= 1
 
 
 def test_speculation_usage_is_reported_and_drafts_are_accepted(stack):
