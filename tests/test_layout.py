@@ -28,6 +28,8 @@ def test_the_layout_script_reports_what_it_should():
     assert layout.long_functions(tree) == [("f", 71)]
     hidden = __import__("ast").parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p.b import B\n")
     assert layout.module_imports(hidden, "p.a", {"p.a", "p.b"}) == {"p.b"}
+    listed = __import__("ast").parse('METHODS = ("draft_model", "ngram")\nONE = ["ngram"]\n')
+    assert layout.method_lists(listed) == [1]
 
 
 def test_the_layers_math_is_written_once():

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from specserve.errors import InvalidArgument
 from specserve.logit_processing import LogitProcessing
 from specserve.serving.batching import Again
-from tests.test_e2e import PROMPTS, _chi_square
+from tests.test_e2e import PROMPTS, _chi_square, complete
 
 
 def test_penalties_biases_and_masks_follow_vllms_arithmetic():
@@ -55,20 +55,8 @@ PENALTIES = {"presence_penalty": 1.2, "frequency_penalty": 0.4, "repetition_pena
 
 
 def _complete(url: str, prompt, speculation: dict, **body) -> dict:
-    reply = httpx.post(
-        f"{url}/v1/completions",
-        timeout=120,
-        json={
-            "prompt": list(prompt),
-            "max_tokens": 24,
-            "temperature": 0,
-            "return_token_ids": True,
-            "speculation": speculation,
-            **body,
-        },
-    )
-    assert reply.status_code == 200, reply.text
-    return reply.json()
+    fields = {"max_tokens": 24, "temperature": 0, "return_token_ids": True, "speculation": speculation, **body}
+    return complete(url, prompt=list(prompt), **fields)
 
 
 def test_greedy_output_with_penalties_and_biases_is_target_onlys(stack):

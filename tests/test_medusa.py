@@ -226,19 +226,9 @@ def test_greedy_medusa_output_equals_target_only_chains_and_trees(request, tiny_
 
 
 def complete(url: str, prompt, speculation: dict) -> dict:
-    reply = httpx.post(
-        f"{url}/v1/completions",
-        timeout=120,
-        json={
-            "prompt": list(prompt),
-            "max_tokens": 32,
-            "temperature": 0,
-            "return_token_ids": True,
-            "speculation": speculation,
-        },
-    )
-    assert reply.status_code == 200, reply.text
-    return reply.json()
+    from tests.test_e2e import complete as post
+
+    return post(url, prompt=list(prompt), max_tokens=32, temperature=0, return_token_ids=True, speculation=speculation)
 
 
 def test_sampled_medusa_rounds_follow_the_target_distribution(stack):
