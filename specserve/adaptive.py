@@ -15,6 +15,7 @@ the batch's tokens per second (KChooser.best_k).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from specserve.methods.trees import TreeShape
@@ -35,6 +36,9 @@ PROBE_STRETCH = (4, 64)
 # A size's weight in the line through the sizes grows with its samples up to this, and fades by
 # this factor with each sample of any size: a size measured while slower does not bend it for good.
 MAX_POINT_WEIGHT, POINT_WEIGHT_DECAY = 20, 0.98
+# A size's cost is read from a line through the sizes seen nearest it: this many on each side,
+# weighted down as they lie farther than this share of the size.
+NEAREST, NEAR_WIDTH, MIN_WIDTH = 4, 0.1, 2.0
 
 
 class _Average:
@@ -52,38 +56,61 @@ class _Average:
 
 class _Line:
     """A cost that grows with a size (tokens verified, draft tokens made): a running average
-    per size seen, and a least-squares line through them, each size weighted by how often
-    it was seen. A line, not the sizes' own averages: those are noisy, an unlucky size would
-    be avoided for good, and unseen sizes need a value too."""
+    per size seen, and at a size asked, a least-squares line through the sizes seen nearest
+    it, each weighted by how often it was seen and how near it lies; past the sizes seen, the
+    nearest one's value and the slope of a line through all of them. Not the sizes' own
+    averages: those are noisy, an unlucky size would be avoided for good, and unseen sizes
+    need a value too. Not one line through all sizes: costs bend (a CPU's products are cheaper
+    per row in larger batches), and a line fitted where a batch mostly runs (its sessions'
+    drafts verified) misjudged the sizes it would run at otherwise (none drafted)."""
 
     def __init__(self, prior_slope: float):
         self.prior_slope = prior_slope  # of size 1's cost per unit, while one size is known
         self.averages: dict[int, _Average] = {}
         self.counts: dict[int, float] = {}  # each size's weight (see POINT_WEIGHT_DECAY)
-        self._fit: tuple[float, float, float] | None = None  # (mean size, mean cost, slope); None: stale
+        self._sizes: list[int] = []  # those seen, in order
+        self._at: dict[int, float] = {}  # the values asked since the last sample
+        self._slope: float | None = None  # of the line through all sizes; None: stale
 
     def add(self, size: int, seconds: float) -> None:
+        if size not in self.averages:
+            bisect.insort(self._sizes, size)
         self.averages.setdefault(size, _Average()).add(seconds)
         for n in self.counts:  # sizes not measured lately fade: their costs may be stale
             self.counts[n] *= POINT_WEIGHT_DECAY
         self.counts[size] = min(self.counts.get(size, 0) + 1, MAX_POINT_WEIGHT)
-        self._fit = None  # fitted again when next asked
+        self._at.clear()  # fitted again when next asked
+        self._slope = None
 
     def at(self, size: int) -> float | None:
         if not self.averages:
             return None
-        if self._fit is None:
-            self._fit = self._line()
-        mean_n, mean_v, slope = self._fit
+        value = self._at.get(size)
+        if value is None:
+            value = self._at[size] = self._value(size)
+        return value
+
+    def _value(self, size: int) -> float:
+        low, high = self._sizes[0], self._sizes[-1]
+        if self._slope is None:
+            self._slope = self._fit(self._sizes)[2]
+        if size < low or size > high:  # past the sizes seen: from the nearest, the overall slope
+            edge = low if size < low else high
+            return max(0.0, self.at(edge) + self._slope * (size - edge))
+        i = bisect.bisect_left(self._sizes, size)
+        mean_n, mean_v, slope = self._fit(self._sizes[max(0, i - NEAREST) : i + NEAREST], size)
         return max(0.0, mean_v + slope * (size - mean_n))
 
-    def _line(self) -> tuple[float, float, float]:
-        points = [(n, a.value, self.counts[n]) for n, a in self.averages.items()]
+    def _fit(self, sizes: list[int], near: int | None = None) -> tuple[float, float, float]:
+        """(mean size, mean cost, slope) of the weighted least-squares line through sizes, each
+        weighted by its count and (near given) by how near it lies to near."""
+        width = max(MIN_WIDTH, NEAR_WIDTH * near) if near is not None else float("inf")
+        points = [(n, self.averages[n].value, self.counts[n] / (1 + ((n - (near or 0)) / width) ** 2)) for n in sizes]
         weight = sum(c for _, _, c in points)
         mean_n = sum(n * c for n, _, c in points) / weight
         mean_v = sum(v * c for _, v, c in points) / weight
         spread = sum(c * (n - mean_n) ** 2 for n, _, c in points)
-        if spread > 0:
+        if len(self._sizes) > 1 and spread > 0:
             slope = max(0.0, sum(c * (n - mean_n) * (v - mean_v) for n, v, c in points) / spread)
         else:  # one size: the prior slope, relative to size 1's cost
             slope = mean_v * self.prior_slope / (1 + self.prior_slope * (mean_n - 1))
