@@ -9,8 +9,10 @@ are RoundCosts, running estimates shared by the sessions of a process (they belo
 models and the machine); how often each draft position is accepted is the session's own,
 starting from its method's average. A session that stopped drafting tries again after a
 stretch of target-only tokens that doubles while drafts keep not paying; after its first,
-the stretch is at least the one its method's sessions reached. In a batch the choice weighs
-the batch's tokens per second (KChooser.best_k).
+the stretch is at least the one its method's sessions reached, and in a batch so is the first
+where trying drafts is dear (a draft model must first read the session's whole prompt, and
+every session of the batch waits for it). In a batch the choice weighs the batch's tokens per
+second (KChooser.best_k).
 """
 
 from __future__ import annotations
@@ -262,17 +264,26 @@ class KChooser:
     module docstring)."""
 
     def __init__(
-        self, speculation: Speculation, shared: Shared | None = None, max_k: int | None = None, sampled: bool = False
+        self,
+        speculation: Speculation,
+        shared: Shared | None = None,
+        max_k: int | None = None,
+        sampled: bool = False,
+        cheap_probes: bool = True,
     ):
         """shared: what this process's sessions learn together (a fresh one for a session
         alone); max_k: the most draft tokens a round may verify (the service's limit); sampled:
         the session samples. Greedy and sampled sessions of a method learn apart: a sampled
         draft is kept less often and costs more to draw, and where drafts do not pay sampled
-        they may greedy."""
+        they may greedy. cheap_probes: trying drafts again costs little more than a round
+        (false for a draft model, which first reads what the target made meanwhile: a new
+        session's whole prompt); if not, a session in a batch waits its method's stretch
+        before its first try, not a short one of its own."""
         max_k = max(speculation.k_bounds[1], speculation.num_speculative_tokens) if max_k is None else max_k
         self.speculation = speculation
         self.method = f"{speculation.method}/sampled" if sampled else speculation.method  # its key in shared
         self.sampled = sampled
+        self.cheap_probes = cheap_probes
         self.shared = shared or Shared()
         self.acceptance = Acceptance(self.shared.method_acceptance(self.method))
         self.low = min(speculation.k_bounds[0], max_k)
@@ -343,7 +354,9 @@ class KChooser:
             best = self.best_k(room, lowest=self._at_least)
         if best == 0 and room > 0:
             method_stretch = self.shared.stretches.get(self.method, PROBE_STRETCH[0])
-            self._probe_in = self._stretch  # the first: the session's own, to try its own text early
+            # The first: the session's own, to try its own text early, where that is cheap.
+            dear = not self.cheap_probes and self.sessions > 1
+            self._probe_in = max(self._stretch, method_stretch) if dear else self._stretch
             self._stretch = min(max(2 * self._stretch, method_stretch), PROBE_STRETCH[1])
             self.shared.stretches[self.method] = min(2 * method_stretch, PROBE_STRETCH[1])
         elif best > 0:

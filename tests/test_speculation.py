@@ -287,3 +287,22 @@ def test_a_new_session_tries_its_own_text_once_then_waits_as_its_methods_others_
     second._probe_in = 0
     assert second.next_k(100) == 0 and second.target_only_tokens == 4 * PROBE_STRETCH[0]  # the method's
 
+
+@pytest.mark.parametrize("sessions, cheap_probes, first_stretch", [(16, False, 4), (1, False, 1), (16, True, 1)])
+def test_in_a_batch_a_new_session_of_a_draft_model_waits_as_its_methods_others_did(
+    sessions, cheap_probes, first_stretch
+):
+    """A draft model's first try reads the session's whole prompt, and in a batch every session
+    waits for it: where the method's sessions found drafts not paying, a new one in a batch
+    waits their stretch from its first (alone, or where a try is cheap: a short one of its own)."""
+    shared = costs(draft_step=0.002, verify_one=0.002, per_token=0.0005)
+    first = KChooser(ADAPTIVE, shared)
+    for _ in range(20):
+        first.observe(2, 0, 0.004, 0.003, 0.007)  # nothing kept
+    for _ in range(2):  # two stretches: the method's reaches 4 x the shortest
+        first.next_k(100)
+        first._probe_in = 0
+    assert shared.stretches[ADAPTIVE.method] == 4 * PROBE_STRETCH[0]
+    new = KChooser(ADAPTIVE, shared, cheap_probes=cheap_probes)
+    assert new.next_round(100, sessions=sessions).k == 0
+    assert new.target_only_tokens == first_stretch * PROBE_STRETCH[0]

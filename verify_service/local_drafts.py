@@ -22,6 +22,7 @@ from specserve.drafting import Drafter, DraftJob, DraftSession, Proposal
 from specserve.errors import RequestError
 from specserve.grammar import GrammarState
 from specserve.logit_processing import NEUTRAL
+from specserve.methods import registry
 from specserve.methods.lookahead import LookaheadSession, LookaheadShape
 from specserve.methods.medusa_drafts import MedusaDrafting
 from specserve.pacing import MethodRate, Pacing
@@ -151,7 +152,8 @@ class LocalDrafting:
         sampled: whether it samples (its K is chosen from sampled sessions' measures)."""
         if current is not None and current.speculation == speculation and current.chooser.sampled == sampled:
             return current
-        chooser = KChooser(speculation, self.shared, self.max_speculative_tokens, sampled)
+        model = registry.spec_of(speculation.method).model  # its drafts first read what the target made
+        chooser = KChooser(speculation, self.shared, self.max_speculative_tokens, sampled, cheap_probes=not model)
         # The verifier's own methods draft from the target's state; the others are the drafter's.
         opened = {"lookahead": self._open_lookahead, "medusa": self._open_medusa}.get(
             speculation.method, self._open_drafter
