@@ -124,13 +124,16 @@ class Batch:
     """The batch a round ran in, its own row included: its sessions, the tokens its forward
     verified and the draft tokens drafted for it; prefill: a prompt was read in the same
     forward (its time is no round's); started_ns: which batch (its sessions report it one
-    after another: its costs count once). None for a round alone (a draft service's)."""
+    after another: its costs count once); caught_up: a draft model first read more than a
+    round had made, for one of its sessions (a prompt, or a target-only stretch: its
+    drafting is no round's usual cost). None for a round alone (a draft service's)."""
 
     sessions: int
     tokens: int
     draft_tokens: int
     prefill: bool = False
     started_ns: int = 0
+    caught_up: bool = False
 
 
 class RoundCosts:
@@ -159,7 +162,7 @@ class RoundCosts:
         batch = batch or Batch(1, k + 1, k)
         same = bool(batch.started_ns) and batch.started_ns == self._counted[0]  # its sessions report in turn
         drafting_counted = same and self._counted[1]
-        if k and draft_s is not None and not drafting_counted:
+        if k and draft_s is not None and not drafting_counted and not batch.caught_up:
             self.drafting.setdefault(method, _Line(PRIOR_SLOPE["draft"])).add(batch.draft_tokens, draft_s)
             drafting_counted = True
         self._counted = (batch.started_ns, drafting_counted)

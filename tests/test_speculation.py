@@ -306,3 +306,30 @@ def test_in_a_batch_a_new_session_of_a_draft_model_waits_as_its_methods_others_d
     new = KChooser(ADAPTIVE, shared, cheap_probes=cheap_probes)
     assert new.next_round(100, sessions=sessions).k == 0
     assert new.target_only_tokens == first_stretch * PROBE_STRETCH[0]
+
+
+def test_a_batch_whose_draft_model_first_caught_up_gives_no_drafting_cost():
+    """A draft model that first read a prompt or a target-only stretch for one of the batch's
+    sessions made its drafting dearer than a round's: not a point of the drafting line (its
+    verify and rest are)."""
+    costs = RoundCosts()
+    costs.observe("draft_model", 2, 0.050, 0.010, 0.070, Batch(16, 48, 32, started_ns=1, caught_up=True))
+    assert "draft_model" not in costs.drafting and costs.verify.counts == {48: 1}
+    costs.observe("draft_model", 2, 0.008, 0.010, 0.030, Batch(16, 48, 32, started_ns=2))
+    assert costs.drafting["draft_model"].at(32) == pytest.approx(0.008)
+
+
+@pytest.mark.parametrize("method, drafted_rounds, last_k, catches_up", [
+    ("draft_model", 0, 0, True),  # its first drafts read the prompt
+    ("draft_model", 3, 0, True),  # after a target-only round, what it made
+    ("draft_model", 3, 2, False),
+    ("ngram", 0, 0, False),  # drafts from the context: nothing to read first
+])  # fmt: skip
+def test_a_session_catches_up_where_its_draft_model_has_more_to_read_than_a_round(
+    method, drafted_rounds, last_k, catches_up
+):
+    from verify_service.local_drafts import SessionDrafts
+
+    speculation = Speculation(method, 2, adaptive=True)
+    drafts = SessionDrafts(speculation, None, KChooser(speculation), drafted_rounds=drafted_rounds, last_k=last_k)
+    assert drafts.catches_up is catches_up

@@ -119,11 +119,7 @@ class Verifier:
                     self._release(row.session_id)
             raise
         for (index, row), (num_accepted, next_token) in zip(rows, decisions):
-            row_timing = (
-                timing
-                if not row.drafted_locally
-                else {**timing, "draft_started_ns": drafted.started_ns, "draft_ended_ns": drafted.ended_ns}
-            )
+            row_timing = {**timing, **drafted.fields()} if row.drafted_locally else timing
             outcome = dataclasses.replace(self._commit(row, num_accepted, next_token), **row_timing)
             job = jobs[index]
             results[index] = self._decoded(job, outcome) if isinstance(job, DecodeJob) else outcome

@@ -126,6 +126,7 @@ class Outcome:
     batch_tokens: int = 0
     batch_draft_tokens: int = 0
     batch_prefill: bool = False
+    batch_caught_up: bool = False  # a draft model first read more than a round made (DraftTiming.caught_up)
 
     @property
     def draft_seconds(self) -> float:

@@ -71,6 +71,12 @@ class SessionDrafts:
             outcome.num_draft_tokens, outcome.num_accepted, draft_s, verify_s, round_s, tree, batch_of(outcome)
         )
 
+    @property
+    def catches_up(self) -> bool:
+        """Whether the session's next drafts first read more than its last round made: a
+        draft model's first (the prompt) or first after target-only rounds (what they made)."""
+        return not (self.drafted_rounds and self.last_k > 0) and registry.spec_of(self.speculation.method).model
+
     def next_round(self, remaining: int, sessions: int = 1) -> RoundChoice:
         """The round for a session that may make `remaining` more tokens, in a batch of
         `sessions`: the chooser's, or for lookahead candidates of N - 1 tokens (fewer near
@@ -94,6 +100,7 @@ def batch_of(outcome) -> Batch | None:
         outcome.batch_draft_tokens,
         outcome.batch_prefill,
         outcome.batch_started_ns,
+        outcome.batch_caught_up,
     )
 
 
@@ -109,10 +116,16 @@ class LocalProposal:
 
 @dataclass
 class DraftTiming:
-    """When the batch's drafting ran (time.time_ns), shared by its rows."""
+    """When the batch's drafting ran (time.time_ns), shared by its rows, and whether a draft
+    model first read more than a round made for one of them (SessionDrafts.catches_up)."""
 
     started_ns: int = 0
     ended_ns: int = 0
+    caught_up: bool = False
+
+    def fields(self) -> dict:
+        """As the Outcome fields of a row it drafted for."""
+        return {"draft_started_ns": self.started_ns, "draft_ended_ns": self.ended_ns, "batch_caught_up": self.caught_up}
 
 
 class LocalDrafting:
@@ -197,6 +210,7 @@ class LocalDrafting:
         fails runs target-only this round."""
         timing = DraftTiming(started_ns=time.time_ns())
         wanted = [i for i, (drafts, _, choice, _, _) in enumerate(jobs) if choice.k > 0 and drafts.draft is not None]
+        timing.caught_up = any(jobs[i][0].catches_up for i in wanted)
         heads = [
             i
             for i, (drafts, _, choice, _, _) in enumerate(jobs)
