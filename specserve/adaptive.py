@@ -37,7 +37,10 @@ PRIOR_SLOPE = {"verify": 0.05, "draft": 0.5}
 PROBE_STRETCH = (4, 64)
 # A size's weight in the line through the sizes grows with its samples up to this, and fades by
 # this factor with each sample of any size: a size measured while slower does not bend it for good.
-MAX_POINT_WEIGHT, POINT_WEIGHT_DECAY = 20, 0.98
+# It fades no lower than the floor: where only long-unmeasured sizes lie near the size asked,
+# their costs are read, not a product too small for a float (the floor is far below any weight
+# a size measured in the last few hundred samples has).
+MAX_POINT_WEIGHT, POINT_WEIGHT_DECAY, MIN_POINT_WEIGHT = 20, 0.98, 1e-6
 # A size's cost is read from a line through the sizes seen nearest it: this many on each side,
 # weighted down as they lie farther than this share of the size.
 NEAREST, NEAR_WIDTH, MIN_WIDTH = 4, 0.1, 2.0
@@ -79,7 +82,7 @@ class _Line:
             bisect.insort(self._sizes, size)
         self.averages.setdefault(size, _Average()).add(seconds)
         for n in self.counts:  # sizes not measured lately fade: their costs may be stale
-            self.counts[n] *= POINT_WEIGHT_DECAY
+            self.counts[n] = max(MIN_POINT_WEIGHT, self.counts[n] * POINT_WEIGHT_DECAY)
         self.counts[size] = min(self.counts.get(size, 0) + 1, MAX_POINT_WEIGHT)
         self._at.clear()  # fitted again when next asked
         self._slope = None

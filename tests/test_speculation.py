@@ -333,3 +333,15 @@ def test_a_session_catches_up_where_its_draft_model_has_more_to_read_than_a_roun
     speculation = Speculation(method, 2, adaptive=True)
     drafts = SessionDrafts(speculation, None, KChooser(speculation), drafted_rounds=drafted_rounds, last_k=last_k)
     assert drafts.catches_up is catches_up
+
+
+def test_sizes_unmeasured_for_hours_still_give_their_costs():
+    """A server that ran single sessions (sizes 1-9), then only batches (40) for hours: the
+    small sizes' weights fade, but a single session's costs are still read from them, not 0."""
+    line = RoundCosts().verify
+    for size in range(1, 10):
+        line.add(size, size * 1e-3)
+    for _ in range(40_000):
+        line.add(40, 5e-3)
+    assert line.at(3) == pytest.approx(3e-3)
+    assert line.at(40) == pytest.approx(5e-3)
