@@ -62,8 +62,7 @@ class SessionDrafts:
             self.pacing.observe(self.paced_round, outcome.num_accepted + 1, round_s, verify_s)
             return
         verify_s = (outcome.decided_ns - outcome.batch_started_ns) / 1e9
-        usual = self.drafted_rounds and self.last_k > 0
-        draft_s = outcome.draft_seconds if usual else None
+        draft_s = outcome.draft_seconds if self.drafted_last_round else None
         self.drafted_rounds += outcome.num_draft_tokens > 0
         self.last_k = outcome.num_draft_tokens
         tree = self.tree_round and outcome.num_draft_tokens > 0
@@ -72,10 +71,16 @@ class SessionDrafts:
         )
 
     @property
+    def drafted_last_round(self) -> bool:
+        """Whether the session drafted in its last round (and so its drafts read only what that
+        round made): not its first drafting, nor the first after target-only rounds."""
+        return bool(self.drafted_rounds and self.last_k > 0)
+
+    @property
     def catches_up(self) -> bool:
         """Whether the session's next drafts first read more than its last round made: a
         draft model's first (the prompt) or first after target-only rounds (what they made)."""
-        return not (self.drafted_rounds and self.last_k > 0) and registry.spec_of(self.speculation.method).model
+        return not self.drafted_last_round and registry.spec_of(self.speculation.method).model
 
     def next_round(self, remaining: int, sessions: int = 1) -> RoundChoice:
         """The round for a session that may make `remaining` more tokens, in a batch of
