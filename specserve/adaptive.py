@@ -1,18 +1,18 @@
 """The choice of each round's K (and of whether to draft at all) from what the sessions of a
 process measure as they run.
 
-docs/design.md's model: a round of K draft tokens costs K draft steps, a verify of K + 1 tokens
-and the round's overhead (decision, bookkeeping, the wire), and yields E(K) tokens. KChooser
-picks each round's K, 0 (a target-only round) included, with the most expected tokens per
-second, so that speculation does not make a session slower than the target alone. The costs
-are RoundCosts, running estimates shared by the sessions of a process (they belong to the
-models and the machine); how often each draft position is accepted is the session's own,
-starting from its method's average. A session that stopped drafting tries again after a
-stretch of target-only tokens that doubles while drafts keep not paying; after its first,
-the stretch is at least the one its method's sessions reached, and in a batch so is the first
-where trying drafts is dear (a draft model must first read the session's whole prompt, and
-every session of the batch waits for it). In a batch the choice weighs the batch's tokens per
-second (KChooser.best_k).
+docs/design.md's model: a round of K draft tokens costs K draft steps, a verify of K + 1
+tokens and the round's overhead (decision, bookkeeping, the wire), and yields E(K) tokens.
+KChooser picks each round's K, 0 (a target-only round) included, with the most expected
+tokens per second, so that speculation does not make a session slower than the target alone.
+The costs are RoundCosts, running estimates shared by the sessions of a process (they belong
+to the models and the machine; greedy sessions' and sampled ones' apart, see Shared); how
+often each draft position is accepted is the session's own, starting from its method's
+average. A session that stopped drafting tries again after a stretch of target-only tokens
+that doubles while drafts keep not paying; after its first, the stretch is at least the one
+its method's sessions reached, and in a batch so is the first where trying drafts is dear (a
+draft model must first read the session's whole prompt, and every session of the batch waits
+for it). In a batch the choice weighs the batch's tokens per second (KChooser.best_k).
 """
 
 from __future__ import annotations
@@ -129,7 +129,9 @@ class Batch:
     forward (its time is no round's); started_ns: which batch (its sessions report it one
     after another: its costs count once); caught_up: a draft model first read more than a
     round had made, for one of its sessions (a prompt, or a target-only stretch: its
-    drafting is no round's usual cost). None for a round alone (a draft service's)."""
+    drafting is no round's usual cost); draft_s: its drafting, which every session waited for,
+    counted or not (no part of the rest of a round). None for a round alone (a draft
+    service's)."""
 
     sessions: int
     tokens: int
@@ -137,6 +139,7 @@ class Batch:
     prefill: bool = False
     started_ns: int = 0
     caught_up: bool = False
+    draft_s: float = 0.0
 
 
 class RoundCosts:
@@ -172,7 +175,7 @@ class RoundCosts:
         if batch.prefill or same:  # a prompt's time, or a batch that another of its sessions counted
             return
         self.verify.add(batch.tokens, verify_s)
-        self.rest.add(batch.tokens, max(0.0, round_s - (draft_s or 0.0) - verify_s))
+        self.rest.add(batch.tokens, max(0.0, round_s - max(draft_s or 0.0, batch.draft_s) - verify_s))
 
     def verify_seconds(self, tokens: int) -> float | None:
         return self.verify.at(tokens)
@@ -233,16 +236,21 @@ class Acceptance:
 
 @dataclass
 class Shared:
-    """What the sessions of one process learn together: the round costs, each method's
-    acceptance (a chain's per position, a tree's as tokens per round), and each method's
-    target-only stretch: a session's second stretch is at least what the method's sessions
-    reached, so that under load each new session probes once, early, and not every few
-    tokens."""
+    """What the sessions of one process learn together: the round costs, greedy sessions'
+    and sampled ones' apart (a sampled decision costs more rows' softmax and draws: after
+    greedy load, sampled drafts would look cheaper than they are), each method's acceptance
+    (a chain's per position, a tree's as tokens per round), and each method's target-only
+    stretch: a session's second stretch is at least what the method's sessions reached, so
+    that under load each new session probes once, early, and not every few tokens."""
 
-    costs: RoundCosts = field(default_factory=RoundCosts)
+    costs: RoundCosts = field(default_factory=RoundCosts)  # greedy sessions' rounds
+    sampled_costs: RoundCosts = field(default_factory=RoundCosts)
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
     tree_tokens: dict[str, _Average] = field(default_factory=dict)
     stretches: dict[str, int] = field(default_factory=dict)
+
+    def costs_for(self, sampled: bool) -> RoundCosts:
+        return self.sampled_costs if sampled else self.costs
 
     def method_acceptance(self, method: str) -> Acceptance:
         return self.acceptance.setdefault(method, Acceptance())
@@ -291,6 +299,7 @@ class KChooser:
         self.sampled = sampled
         self.cheap_probes = cheap_probes
         self.shared = shared or Shared()
+        self.costs = self.shared.costs_for(sampled)
         self.acceptance = Acceptance(self.shared.method_acceptance(self.method))
         self.low = min(speculation.k_bounds[0], max_k)
         self.high = min(speculation.k_bounds[1], max_k)
@@ -332,7 +341,7 @@ class KChooser:
     def _rate(self, k: int, expected: float, method: str | None = None) -> float | None:
         """The batch's expected tokens per second if each of its sessions drafted k and kept
         what this one keeps: with a batch of one, the session's own."""
-        seconds = self.shared.costs.round_seconds(method or self.method, k, self.sessions)
+        seconds = self.costs.round_seconds(method or self.method, k, self.sessions)
         return self.sessions * expected / seconds if seconds else None
 
     def _tree_rate(self, tree: TreeShape, shared_tokens: float) -> float | None:
@@ -392,7 +401,7 @@ class KChooser:
         all drafting where none drafting is faster.)"""
         high = min(self.high, room)
         low = min(max(self.low, lowest), high)
-        costs = self.shared.costs
+        costs = self.costs
         if costs.round_seconds(self.method, 1) is None or costs.round_seconds(self.method, 0) is None:
             return max(low, min(self.start, high))  # K = 0's or drafts' costs not yet known
         best, best_rate = low, -1.0
@@ -421,7 +430,7 @@ class KChooser:
         verify forward and decision, round_s all it took; tree: its drafts were a tree; batch:
         the batch it ran in (None: alone)."""
         if tree:
-            self.shared.costs.observe(f"{self.method}/tree", k, draft_s, verify_s, round_s, batch)
+            self.costs.observe(f"{self.method}/tree", k, draft_s, verify_s, round_s, batch)
             self.tree_tokens.add(num_accepted + 1)
             self.shared.method_tree_tokens(self.method).add(num_accepted + 1)
             self._tree_rounds += 1
@@ -432,6 +441,6 @@ class KChooser:
             self._probe_in -= 1
             self._probe_due = self._probe_in == 0
         self._at_least = k + 1 if k and num_accepted == k else 0
-        self.shared.costs.observe(self.method, k, draft_s, verify_s, round_s, batch)
+        self.costs.observe(self.method, k, draft_s, verify_s, round_s, batch)
         self.acceptance.observe(k, num_accepted)
         self.shared.method_acceptance(self.method).observe(k, num_accepted)

@@ -284,6 +284,28 @@ def test_the_verifiers_own_rounds_make_the_target_only_tokens_and_stop_at_max_to
     assert all(o.draft_ended_ns >= o.draft_started_ns > 0 for o in rounds if o.num_draft_tokens)
 
 
+def test_every_row_of_a_batch_is_told_its_drafting_the_drafted_rows_their_own(tiny_pair):
+    """A row that drafted nothing waited for the batch's drafting too: the K choice takes it
+    out of the rest of that row's round (specserve/adaptive.py, Batch.draft_s)."""
+    from specserve.speculation import Speculation
+
+    verifier = _colocated_verifier(tiny_pair)
+    prompt = (3, 4, 5, 6)
+    for session in ("spec", "plain"):
+        verifier.step([PrefillJob(session, prompt, GREEDY)])
+    made = []
+    jobs = [
+        DecodeJob("spec", len(prompt) + 1, 4, None, made.append, threading.Event(),
+                  speculation=Speculation("draft_model", 3, adaptive=False)),
+        DecodeJob("plain", len(prompt) + 1, 4, None, made.append, threading.Event()),
+    ]  # fmt: skip
+    verifier.step(jobs)
+    drafted, plain = made
+    assert drafted.num_draft_tokens == 3 and plain.num_draft_tokens == 0
+    assert drafted.batch_draft_ns == plain.batch_draft_ns == drafted.draft_ended_ns - drafted.draft_started_ns > 0
+    assert plain.draft_started_ns == 0  # its own: it drafted nothing
+
+
 def test_a_round_ends_at_an_accepted_end_of_sequence_draft(tiny_pair):
     verifier = _colocated_verifier(tiny_pair)
     eos = verifier.loaded.eos_token_ids[0]

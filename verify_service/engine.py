@@ -110,7 +110,8 @@ class Verifier:
             self._forward([row for _, row in rows])
             forwarded = time.time_ns()
             decisions = decide([row for _, row in rows], self.loaded.device)
-            timing = batch_timing([row for _, row in rows], started, forwarded)
+            draft_ns = drafted.ended_ns - drafted.started_ns if drafted is not None else 0
+            timing = batch_timing([row for _, row in rows], started, forwarded, draft_ns)
         except BaseException:
             for _, row in rows:
                 if row.is_new:
@@ -207,7 +208,7 @@ class Verifier:
         if job.speculation is not None:
             session.drafts.observe(outcome, round_s)
         else:
-            self.local.observe_target_only(outcome, round_s)
+            self.local.observe_target_only(outcome, round_s, not (job.sampling or session.sampling).is_greedy)
 
     def _prepare_drafts(self, job: DecodeJob, session: Session) -> None:
         """The session's colocated drafting for a speculative decode (its first round: opened

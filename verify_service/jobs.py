@@ -127,6 +127,7 @@ class Outcome:
     batch_draft_tokens: int = 0
     batch_prefill: bool = False
     batch_caught_up: bool = False  # a draft model first read more than a round made (DraftTiming.caught_up)
+    batch_draft_ns: int = 0  # the batch's drafting, for every row (a row's own draft_*_ns: where it drafted)
 
     @property
     def draft_seconds(self) -> float:
@@ -185,10 +186,11 @@ class Row:
     prompt_top: int = 0  # the likeliest tokens' logprobs beside each prompt token's
 
 
-def batch_timing(rows: list[Row], started_ns: int, forwarded_ns: int) -> dict:
-    """A decided batch's times and make-up, as Outcome fields: the make-up is what the K choice
-    weighs a round's cost against."""
+def batch_timing(rows: list[Row], started_ns: int, forwarded_ns: int, draft_ns: int = 0) -> dict:
+    """A decided batch's times and make-up, as Outcome fields (draft_ns: its drafting): the
+    make-up is what the K choice weighs a round's cost against."""
     return {
+        "batch_draft_ns": draft_ns,
         "batch_started_ns": started_ns,
         "forward_ended_ns": forwarded_ns,
         "decided_ns": time.time_ns(),

@@ -106,6 +106,7 @@ def batch_of(outcome) -> Batch | None:
         outcome.batch_prefill,
         outcome.batch_started_ns,
         outcome.batch_caught_up,
+        outcome.batch_draft_ns / 1e9,
     )
 
 
@@ -191,13 +192,14 @@ class LocalDrafting:
     def _open_lookahead(self, speculation: Speculation, chooser: KChooser, prompt_length: int) -> SessionDrafts:
         shape = self.lookahead.with_settings(speculation.lookahead)  # raises for a bad setting
         session = LookaheadSession(shape, self.drafter.options.ngram_max, self.lookahead_every_round)
-        pacing = Pacing(self.shared.costs, self.method_rates.setdefault("lookahead", MethodRate()))
+        pacing = Pacing(chooser.costs, self.method_rates.setdefault("lookahead", MethodRate()))
         return SessionDrafts(speculation, None, chooser, session, prompt_length=prompt_length, pacing=pacing)
 
-    def observe_target_only(self, outcome, round_s: float) -> None:
-        """A target-only decode's token: what a round without drafts costs."""
+    def observe_target_only(self, outcome, round_s: float, sampled: bool) -> None:
+        """A target-only decode's token: what a round without drafts costs (sampled: a
+        sampled session's)."""
         verify_s = (outcome.decided_ns - outcome.batch_started_ns) / 1e9
-        self.shared.costs.observe("none", 0, None, verify_s, round_s, batch_of(outcome))
+        self.shared.costs_for(sampled).observe("none", 0, None, verify_s, round_s, batch_of(outcome))
 
     def close(self, drafts: SessionDrafts | None, tokens: list[int] | None = None) -> None:
         """tokens: the session's whole sequence, its last round's tokens too (method suffix
