@@ -163,6 +163,20 @@ def test_the_rest_of_a_round_leaves_out_the_batchs_drafting_counted_or_not():
     assert "draft_model" not in costs.drafting
 
 
+@pytest.mark.parametrize("draft_step, drafts", [(0.8e-3, False), (0.3e-3, True)])
+def test_drafts_must_promise_more_than_the_costs_error_over_target_only(draft_step, drafts):
+    """A first draft kept half the time, alone: K = 1 makes 1.5 tokens for 2 ms of verify and
+    its drafting. At a draft step of 0.8 ms that is 1.5 / 2.8 ms, 6% more tokens a second than
+    1 / 2 ms target-only, within what the costs err by: no drafts. At 0.3 ms, 1.5 / 2.3 ms,
+    30% more: drafts."""
+    shared = costs(draft_step=draft_step, verify_one=2e-3, per_token=0.0)
+    chooser = KChooser(Speculation("draft_model", 1, adaptive=True, k_bounds=(0, 1)), shared)
+    for accepted in [1, 0] * 10:
+        chooser.acceptance.observe(1, accepted)
+    assert 1.5 / (2e-3 + draft_step) > 1 / 2e-3  # K = 1 is faster on the costs as read
+    assert (chooser.best_k(100) == 1) is drafts
+
+
 def test_expected_tokens_follow_the_rates_of_each_position():
     seen = Acceptance()
     for _ in range(200):
