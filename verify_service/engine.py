@@ -232,8 +232,9 @@ class Verifier:
 
     def _draft_locally(self, jobs: list[Job], rows: list[tuple[int, Row]]) -> DraftTiming | None:
         """Drafts every speculative decode's round at once, before the batch's forward: each
-        row's K from its session's chooser, its drafts into the row (a grammar's forced
-        tokens instead, where it forces some)."""
+        row's K from its session's chooser (in a batch, one K for the sessions that draft
+        alike: LocalDrafting.next_rounds), its drafts into the row (a grammar's forced tokens
+        instead, where it forces some)."""
         self.grammar_rounds.jump_forward(jobs, rows, self.loaded.max_context_length)
         speculative = [
             (jobs[i], row)
@@ -242,11 +243,14 @@ class Verifier:
         ]
         if not speculative:
             return None
-        wanted = []
-        for job, row in speculative:
-            room = min(job.max_tokens, self.loaded.max_context_length - len(row.session.tokens))
-            choice = row.session.drafts.next_round(room, sessions=len(rows))
-            wanted.append((row.session.drafts, row.session.tokens, choice, row.sampling, row.session.hidden))
+        rooms = [
+            (row.session.drafts, min(job.max_tokens, self.loaded.max_context_length - len(row.session.tokens)))
+            for job, row in speculative
+        ]
+        wanted = [
+            (row.session.drafts, row.session.tokens, choice, row.sampling, row.session.hidden)
+            for (_, row), choice in zip(speculative, self.local.next_rounds(rooms, sessions=len(rows)))
+        ]
         proposals, timing = self.local.propose(wanted)
         for (_, row), proposal in zip(speculative, proposals):
             row.drafts, row.distributions = proposal.draft_token_ids, proposal.draft_distributions

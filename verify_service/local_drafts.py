@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from specserve.adaptive import Batch, KChooser, RoundChoice, Shared
+from specserve.batch_choice import BatchChoice
 from specserve.drafting import Drafter, DraftJob, DraftSession, Proposal
 from specserve.errors import RequestError
 from specserve.grammar import GrammarState
@@ -153,6 +154,7 @@ class LocalDrafting:
         self.max_speculative_tokens = max_speculative_tokens
         self._failures = RateLimitedLog(log)
         self.shared = Shared()  # what the sessions learn together: round costs, acceptance
+        self.batch_choice = BatchChoice()  # under load: one K for the sessions that draft alike
         self.method_rates: dict[str, MethodRate] = {}  # paced methods' tokens per second (lookahead's)
         vocab = drafter.options.vocab_size
         self._larger_vocabulary = any(m.vocab_size > vocab for m in drafter.models.values())
@@ -194,6 +196,26 @@ class LocalDrafting:
         session = LookaheadSession(shape, self.drafter.options.ngram_max, self.lookahead_every_round)
         pacing = Pacing(chooser.costs, self.method_rates.setdefault("lookahead", MethodRate()))
         return SessionDrafts(speculation, None, chooser, session, prompt_length=prompt_length, pacing=pacing)
+
+    def next_rounds(self, rooms: list[tuple[SessionDrafts, int]], sessions: int) -> list[RoundChoice]:
+        """The round of each (session drafts, tokens it may still make) of a batch of `sessions`
+        sessions: in a batch of more than one, the adaptive chains of one method and kind draft
+        one K (specserve/batch_choice.py); trees, lookahead, fixed Ks and a session alone
+        choose their own."""
+        choices: list[RoundChoice | None] = [None] * len(rooms)
+        groups: dict[str, list[int]] = {}
+        for i, (drafts, remaining) in enumerate(rooms):
+            spec = drafts.speculation
+            if sessions > 1 and spec.adaptive and spec.tree is None and drafts.lookahead is None:
+                groups.setdefault(drafts.chooser.method, []).append(i)
+            else:
+                choices[i] = drafts.next_round(remaining, sessions)
+        for members in groups.values():
+            choosers = [rooms[i][0].chooser for i in members]
+            ks = self.batch_choice.choose(choosers, [rooms[i][1] for i in members], sessions)
+            for i, k in zip(members, ks):
+                choices[i] = RoundChoice(k)
+        return choices
 
     def observe_target_only(self, outcome, round_s: float, sampled: bool) -> None:
         """A target-only decode's token: what a round without drafts costs (sampled: a

@@ -1,0 +1,77 @@
+"""Under load, the adaptive sessions of a batch that draft alike draft one K, and stop and try
+drafts again together (specserve/batch_choice.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from specserve.adaptive import PROBE_STRETCH, Batch, KChooser, Shared
+from specserve.batch_choice import BatchChoice
+from specserve.speculation import Speculation
+from verify_service.local_drafts import LocalDrafting, SessionDrafts
+
+ADAPTIVE = Speculation("draft_model", 4, adaptive=True, k_bounds=(0, 8))
+
+
+def measured(draft_step: float, sessions: int = 4) -> Shared:
+    """Costs as if measured in batches of `sessions`: drafting a step for them all, a verify
+    of 2 ms and 0.1 ms a token, 1 ms of rest."""
+    shared = Shared()
+    for i, k in enumerate(list(range(5)) * 30):
+        tokens = sessions * (k + 1)
+        verify = 2e-3 + 0.1e-3 * tokens
+        draft = draft_step * k or None
+        batch = Batch(sessions, tokens, sessions * k, started_ns=i + 1)
+        shared.costs.observe("draft_model", k, draft, verify, (draft or 0.0) + verify + 1e-3, batch)
+    return shared
+
+
+def chooser(shared: Shared, kept: list[int], speculation: Speculation = ADAPTIVE) -> KChooser:
+    """A session's chooser whose rounds of 4 drafts kept these many."""
+    made = KChooser(speculation, shared)
+    for accepted in kept:
+        made.acceptance.observe(4, accepted)
+    return made
+
+
+def test_sessions_that_would_choose_apart_draft_one_k_from_their_mean_acceptance():
+    shared = measured(draft_step=0.5e-3)
+    sure, unsure = chooser(shared, [4] * 20), chooser(shared, [0] * 20)
+    assert sure.next_round(100, sessions=4).k > 0 and unsure.next_round(100, sessions=4).k == 0  # apart
+    ks = BatchChoice().choose([sure, unsure], [100, 100], sessions=4)
+    assert ks[0] == ks[1] > 0
+    assert BatchChoice().choose([sure, unsure], [100, 2], sessions=4) == [ks[0], 1]  # cut to what it may make
+
+
+def test_they_stop_together_and_try_again_after_a_stretch_that_doubles():
+    shared = measured(draft_step=3e-3)  # drafts dear: none pay
+    group = [chooser(shared, [1, 0] * 10), chooser(shared, [0, 1] * 10)]
+    batches = BatchChoice()
+    assert batches.choose(group, [100, 100], sessions=4) == [0, 0]
+    for _ in range(PROBE_STRETCH[0]):
+        assert batches.choose(group, [100, 100], sessions=4) == [0, 0]  # target-only batches
+    tried = batches.choose(group, [100, 100], sessions=4)
+    assert tried[0] == tried[1] >= 1  # the stretch is over: one batch of drafts, to measure again
+    assert batches.choose(group, [100, 100], sessions=4) == [0, 0]
+    assert batches.groups["draft_model"].probe_in == 2 * PROBE_STRETCH[0]  # doubled
+
+
+def test_a_batch_groups_adaptive_chains_by_method_and_kind_and_leaves_the_rest_alone():
+    shared = measured(draft_step=0.5e-3)
+    local = LocalDrafting(SimpleNamespace(options=SimpleNamespace(vocab_size=100), models={}), 8)
+    local.shared = shared
+
+    def drafts(speculation: Speculation, kept: list[int], sampled: bool = False) -> SessionDrafts:
+        made = KChooser(speculation, shared, sampled=sampled)
+        for accepted in kept:
+            made.acceptance.observe(4, accepted)
+        return SessionDrafts(speculation, None, made)
+
+    sure, unsure = drafts(ADAPTIVE, [4] * 20), drafts(ADAPTIVE, [0] * 20)
+    fixed = drafts(Speculation("draft_model", 3, adaptive=False), [])
+    sampled = drafts(ADAPTIVE, [0] * 20, sampled=True)  # its costs are not measured: it starts at its K
+    choices = local.next_rounds([(sure, 100), (unsure, 100), (fixed, 100), (sampled, 100)], sessions=4)
+    assert choices[0].k == choices[1].k > 0
+    assert choices[2].k == 3 and choices[3].k == 4
+    alone = local.next_rounds([(unsure, 100)], sessions=1)  # alone: its own choice
+    assert alone[0].k == 0
