@@ -227,18 +227,19 @@ class Acceptance:
         return total
 
     def observe(self, k: int, num_accepted: int) -> None:
+        """A round of k drafts kept num_accepted: the positions it reached (up to the first
+        rejected) fade and count it; the others keep what was known of them. (Fading every
+        position drew those a round no longer reaches, past a short K or a rejection, to the
+        prior: E(K) of a longer K fell, and a batch that drafted 1 a session never chose 2.)"""
         if k == 0:
             return
-        self.reached = [r * ACCEPTANCE_DECAY for r in self.reached]
-        self.kept = [a * ACCEPTANCE_DECAY for a in self.kept]
         reached = min(num_accepted + 1, k)
         while len(self.reached) < reached:
             self.reached.append(0.0)
             self.kept.append(0.0)
         for i in range(reached):
-            self.reached[i] += 1
-        for i in range(num_accepted):
-            self.kept[i] += 1
+            self.reached[i] = self.reached[i] * ACCEPTANCE_DECAY + 1
+            self.kept[i] = self.kept[i] * ACCEPTANCE_DECAY + (i < num_accepted)
 
 
 @dataclass

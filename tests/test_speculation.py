@@ -177,6 +177,22 @@ def test_drafts_must_promise_more_than_the_costs_error_over_target_only(draft_st
     assert (chooser.best_k(100) == 1) is drafts
 
 
+def test_a_position_no_round_reaches_keeps_what_was_known_of_it():
+    """Rounds of one draft say nothing of the second position: its rate stays what rounds of
+    four measured, not the prior (which made a longer K look worse than it was, and a batch
+    drafting one token a session never tried two)."""
+    seen = Acceptance()
+    for _ in range(40):
+        seen.observe(4, 4)  # every draft kept
+    second = seen.rate(1)
+    for _ in range(100):
+        seen.observe(1, 1)
+    assert seen.rate(1) == pytest.approx(second) and second > 0.95
+    for _ in range(100):
+        seen.observe(4, 0)  # the first rejected: the second is not reached either
+    assert seen.rate(1) == pytest.approx(second) and seen.rate(0) < 0.05
+
+
 def test_expected_tokens_follow_the_rates_of_each_position():
     seen = Acceptance()
     for _ in range(200):
