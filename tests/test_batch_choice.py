@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from specserve.adaptive import PROBE_STRETCH, Batch, KChooser, Shared
-from specserve.batch_choice import BatchChoice
+from specserve.batch_choice import DEAR_STRETCH, BatchChoice
 from specserve.speculation import Speculation
 from verify_service.local_drafts import LocalDrafting, SessionDrafts
 
@@ -27,8 +27,8 @@ def measured(draft_step: float, sessions: int = 4) -> Shared:
 
 
 def chooser(shared: Shared, kept: list[int], speculation: Speculation = ADAPTIVE) -> KChooser:
-    """A session's chooser whose rounds of 4 drafts kept these many."""
-    made = KChooser(speculation, shared)
+    """A draft model session's chooser whose rounds of 4 drafts kept these many."""
+    made = KChooser(speculation, shared, cheap_probes=False)
     for accepted in kept:
         made.acceptance.observe(4, accepted)
     return made
@@ -50,8 +50,9 @@ def test_they_stop_together_and_try_again_after_a_stretch_that_doubles():
     assert batches.choose(group, [100, 100], sessions=4) == [0, 0]
     for _ in range(PROBE_STRETCH[0]):
         assert batches.choose(group, [100, 100], sessions=4) == [0, 0]  # target-only batches
-    tried = batches.choose(group, [100, 100], sessions=4)
-    assert tried[0] == tried[1] >= 1  # the stretch is over: one batch of drafts, to measure again
+    for _ in range(2):  # the stretch is over: a try of drafts, to measure again (a draft model's: two batches)
+        tried = batches.choose(group, [100, 100], sessions=4)
+        assert tried[0] == tried[1] >= 1
     assert batches.choose(group, [100, 100], sessions=4) == [0, 0]
     assert batches.groups["draft_model"].probe_in == 2 * PROBE_STRETCH[0]  # doubled
 
@@ -75,3 +76,17 @@ def test_a_batch_groups_adaptive_chains_by_method_and_kind_and_leaves_the_rest_a
     assert choices[2].k == 3 and choices[3].k == 4
     alone = local.next_rounds([(unsure, 100)], sessions=1)  # alone: its own choice
     assert alone[0].k == 0
+
+
+def test_a_draft_models_batch_tries_drafts_less_often_than_a_cheap_method():
+    """A draft model's try of drafts first reads what every session made since its last
+    drafting: its stretch doubles further."""
+    shared = measured(draft_step=3e-3)
+    longest = {}
+    for cheap in (True, False):
+        group = [KChooser(ADAPTIVE, shared, cheap_probes=cheap) for _ in range(2)]
+        batches = BatchChoice()
+        for _ in range(2000):
+            batches.choose(group, [100, 100], sessions=4)
+        longest[cheap] = batches.groups["draft_model"].stretch
+    assert longest == {True: PROBE_STRETCH[1], False: DEAR_STRETCH}
