@@ -12,7 +12,8 @@ average. A session that stopped drafting tries again after a stretch of target-o
 that doubles while drafts keep not paying; after its first, the stretch is at least the one
 its method's sessions reached, and in a batch so is the first where trying drafts is dear (a
 draft model must first read the session's whole prompt, and every session of the batch waits
-for it). In a batch the choice weighs the batch's tokens per second (KChooser.best_k).
+for it). In a batch the choice weighs the batch's tokens per second (KChooser.best_k), and
+in the verifier's batches the sessions that draft alike draft one K (specserve/batch_choice.py).
 """
 
 from __future__ import annotations
