@@ -221,11 +221,15 @@ class Acceptance:
 
     def expected_tokens(self, k: int) -> float:
         """E(K): accepted drafts plus the recovered or bonus token."""
-        total, survive = 1.0, 1.0
-        for position in range(k):
+        return self.expected_up_to(k)[k]
+
+    def expected_up_to(self, high: int) -> list[float]:
+        """E(0), E(1), ..., E(high)."""
+        expected, survive = [1.0], 1.0  # and P(all of the first K kept)
+        for position in range(high):
             survive *= self.rate(position)
-            total += survive
-        return total
+            expected.append(expected[-1] + survive)
+        return expected
 
     def observe(self, k: int, num_accepted: int) -> None:
         """A round of k drafts kept num_accepted: the positions it reached (up to the first
@@ -274,6 +278,23 @@ class RoundChoice:
 
     k: int
     tree: TreeShape | None = None
+
+
+def fastest_k(costs: RoundCosts, method: str, sessions: int, expected: list[float], low: int) -> int | None:
+    """The K from low up to len(expected) - 1 with the most expected tokens per second of a
+    batch of `sessions`, each drafting K of method and making expected[K] tokens, K = 0 weighed
+    up by DRAFT_MARGIN; None until K = 0's and drafts' costs are measured."""
+    if costs.round_seconds(method, 1) is None or costs.round_seconds(method, 0) is None:
+        return None
+    best, best_rate = low, -1.0
+    for k in range(low, len(expected)):
+        seconds = costs.round_seconds(method, k, sessions)
+        if not seconds:
+            continue
+        rate = sessions * expected[k] / seconds * (1 + DRAFT_MARGIN if k == 0 else 1)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
 
 
 # An adaptive session that speculates with a tree tries it again after this many chain rounds,
@@ -410,21 +431,8 @@ class KChooser:
         all drafting where none drafting is faster.)"""
         high = min(self.high, room)
         low = min(max(self.low, lowest), high)
-        costs = self.costs
-        if costs.round_seconds(self.method, 1) is None or costs.round_seconds(self.method, 0) is None:
-            return max(low, min(self.start, high))  # K = 0's or drafts' costs not yet known
-        best, best_rate = low, -1.0
-        expected, survive = 1.0, 1.0  # E(K), and P(all of the first K kept)
-        for k in range(high + 1):
-            if k:
-                survive *= self.acceptance.rate(k - 1)
-                expected += survive
-            rate = self._rate(k, expected) if k >= low else None
-            if rate is not None and k == 0:
-                rate *= 1 + DRAFT_MARGIN
-            if rate is not None and rate > best_rate:
-                best, best_rate = k, rate
-        return best
+        best = fastest_k(self.costs, self.method, self.sessions, self.acceptance.expected_up_to(high), low)
+        return max(low, min(self.start, high)) if best is None else best  # None: costs not yet known
 
     def observe(
         self,

@@ -10,8 +10,8 @@ of rounds and ran 0.97-1.04x target-only, where every session drafting K = 4 ran
 
 So in a batch of more than one session, the adaptive sessions of one method and kind
 (greedy or sampled; KChooser.method) draft one K: the one with the most expected tokens per
-second of the batch, from the mean of their expected tokens and the costs the batch is read
-at (KChooser._rate's), with the same margin for drafts (adaptive.DRAFT_MARGIN). They stop and
+second of the batch, from the mean of their expected tokens, by the costs and the margin
+for drafts a session alone is chosen by (adaptive.fastest_k). They stop and
 try again together: after a batch that chose K = 0, the group's batches run target-only for
 a stretch that doubles (4 to 64 batches) while drafts keep not paying, then one batch drafts
 (at least 1 each) to measure again; all its sessions' acceptance is measured by that one
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.adaptive import DRAFT_MARGIN, PROBE_STRETCH, KChooser
+from specserve.adaptive import PROBE_STRETCH, KChooser, fastest_k
 
 DEAR_STRETCH = 256  # the longest stretch of a method whose try of drafts first catches up
 
@@ -87,25 +87,7 @@ class BatchChoice:
         lead = choosers[0]
         high = max(0, *(min(chooser.high, room - 1) for chooser, room in zip(choosers, rooms)))
         low = min(max(lowest, min(chooser.low for chooser in choosers)), max(0, high))
-        costs = lead.costs
-        if costs.round_seconds(lead.method, 1) is None or costs.round_seconds(lead.method, 0) is None:
-            return max(low, min(lead.start, high))
-        expected = [0.0] * (high + 1)  # the sum of the sessions' E(K), each K
-        for chooser in choosers:
-            total, survive = 1.0, 1.0
-            for k in range(high + 1):
-                if k:
-                    survive *= chooser.acceptance.rate(k - 1)
-                    total += survive
-                expected[k] += total
-        best, best_rate = low, -1.0
-        for k in range(low, high + 1):
-            seconds = costs.round_seconds(lead.method, k, sessions)
-            if not seconds:
-                continue
-            rate = sessions * expected[k] / len(choosers) / seconds
-            if k == 0:
-                rate *= 1 + DRAFT_MARGIN
-            if rate > best_rate:
-                best, best_rate = k, rate
-        return best
+        each = [chooser.acceptance.expected_up_to(high) for chooser in choosers]
+        mean = [sum(column) / len(choosers) for column in zip(*each)]
+        best = fastest_k(lead.costs, lead.method, sessions, mean, low)
+        return max(low, min(lead.start, high)) if best is None else best
