@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import re
 import threading
 import time
 from pathlib import Path
@@ -30,36 +28,9 @@ from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
 
-TEMPLATES = (
-    "Explain what {w} means in a few sentences.",
-    "Give me three practical tips about {w}.",
-    "Write a short paragraph about {w}.",
-    "What is the history of {w}?",
-    "How can I learn more about {w}?",
-    "What are the pros and cons of {w}?",
-    "Write a short email to a friend about {w}.",
-    "List five facts about {w}.",
-    "Why is {w} important?",
-    "Describe {w} to a ten-year-old.",
-    "What questions should I ask about {w}?",
-    "Write a haiku about {w}.",
-    "Compare {w} and {v}.",
-    "How are {w} and {v} related?",
-    "Tell me a short story that involves {w}.",
-    "What mistakes do people make with {w}?",
-)
+from specserve.tools.workloads import chat_questions
+
 PER_FILE = 10
-
-
-def questions(tokenizer, count: int, seed: int) -> list[str]:
-    """count questions from TEMPLATES and the tokenizer's whole lowercase words (5-12 letters)."""
-    words = sorted(
-        {t[1:].lower() for t in tokenizer.get_vocab() if t[:1] in ("Ġ", "▁") and re.fullmatch(r"[a-z]{5,12}", t[1:])}
-    )
-    if not words:
-        raise SystemExit("the tokenizer has no whole words to ask about")
-    rng = random.Random(seed)
-    return [rng.choice(TEMPLATES).format(w=rng.choice(words), v=rng.choice(words)) for _ in range(count)]
 
 
 def write(texts: list[str], out: Path) -> None:
@@ -82,7 +53,7 @@ def main() -> None:
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     model = args.model or httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]
-    pending = questions(tokenizer, args.questions, args.seed)[::-1]
+    pending = chat_questions(tokenizer, args.questions, args.seed)[::-1]
     texts, made, lock = [], [0], threading.Lock()
     end = time.monotonic() + 60 * args.minutes
 

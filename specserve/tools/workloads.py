@@ -4,6 +4,7 @@ files the demo models never trained on), for benchmarks and the model card."""
 from __future__ import annotations
 
 import ast
+import random
 import re
 import sysconfig
 import textwrap
@@ -144,3 +145,35 @@ def _spread(items: list[str], count: int) -> list[str]:
     if len(items) <= count:
         return items
     return [items[i * len(items) // count] for i in range(count)]
+
+
+CHAT_TEMPLATES = (
+    "Explain what {w} means in a few sentences.",
+    "Give me three practical tips about {w}.",
+    "Write a short paragraph about {w}.",
+    "What is the history of {w}?",
+    "How can I learn more about {w}?",
+    "What are the pros and cons of {w}?",
+    "Write a short email to a friend about {w}.",
+    "List five facts about {w}.",
+    "Why is {w} important?",
+    "Describe {w} to a ten-year-old.",
+    "What questions should I ask about {w}?",
+    "Write a haiku about {w}.",
+    "Compare {w} and {v}.",
+    "How are {w} and {v} related?",
+    "Tell me a short story that involves {w}.",
+    "What mistakes do people make with {w}?",
+)
+FALLBACK_WORDS = ("gardens", "bicycles", "weather", "cooking", "music", "rivers", "history", "friendship")
+
+
+def chat_questions(tokenizer, count: int, seed: int) -> list[str]:
+    """count chat questions from CHAT_TEMPLATES and the tokenizer's whole lowercase words of
+    5-12 letters (FALLBACK_WORDS where it has none): text a chat model answers in its own
+    words, to train its drafters on (specserve train-eagle, scripts/chat_answers.py)."""
+    words = sorted(
+        {t[1:].lower() for t in tokenizer.get_vocab() if t[:1] in ("Ġ", "▁") and re.fullmatch(r"[a-z]{5,12}", t[1:])}
+    ) or list(FALLBACK_WORDS)
+    rng = random.Random(seed)
+    return [rng.choice(CHAT_TEMPLATES).format(w=rng.choice(words), v=rng.choice(words)) for _ in range(count)]
