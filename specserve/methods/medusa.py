@@ -123,24 +123,31 @@ def save_heads(heads: MedusaHeads, out_dir: str | Path) -> None:
 def load_heads(heads_dir: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32) -> MedusaHeads:
     """The heads in heads_dir, checked against the target in target_dir (HeadsMismatch if
     they were made for another; FileNotFoundError if the directory lacks a file)."""
+    config, state = read_checkpoint(heads_dir, target_dir, MedusaConfig, "a Medusa heads", "specserve train-medusa")
+    heads = MedusaHeads(config)
+    missing = set(heads.state_dict()) ^ set(state)
+    if missing:
+        raise HeadsMismatch(f"{heads_dir} does not hold {config.num_heads} heads: {sorted(missing)[:4]}")
+    heads.load_state_dict({name: tensor.to(torch.float32) for name, tensor in state.items()})
+    return heads.to(dtype).eval()
+
+
+def read_checkpoint(directory: str | Path, target_dir: str | Path, config_type, kind: str, maker: str):
+    """(config, tensors) of a checkpoint beside a target (Medusa heads, an EAGLE head), its
+    config of config_type checked against target_dir (HeadsMismatch; FileNotFoundError for
+    a missing file, naming the command that makes one)."""
     from safetensors.torch import load_file
 
-    directory = Path(heads_dir)
+    directory = Path(directory)
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         if not (directory / name).is_file():
             raise FileNotFoundError(
-                f"{directory / name} is missing: a Medusa heads directory has {CONFIG_NAME} "
-                f"and {WEIGHTS_NAME} (specserve train-medusa makes one)"
+                f"{directory / name} is missing: {kind} directory has {CONFIG_NAME} and {WEIGHTS_NAME} "
+                f"({maker} makes one)"
             )
     try:
-        config = MedusaConfig(**json.loads((directory / CONFIG_NAME).read_text()))
+        config = config_type(**json.loads((directory / CONFIG_NAME).read_text()))
     except TypeError as error:
-        raise HeadsMismatch(f"{directory / CONFIG_NAME} is not a Medusa heads config: {error}") from None
+        raise HeadsMismatch(f"{directory / CONFIG_NAME} is not {kind} config: {error}") from None
     config.check_target(target_dir)
-    heads = MedusaHeads(config)
-    state = load_file(str(directory / WEIGHTS_NAME))
-    missing = set(heads.state_dict()) ^ set(state)
-    if missing:
-        raise HeadsMismatch(f"{directory / WEIGHTS_NAME} does not hold {config.num_heads} heads: {sorted(missing)[:4]}")
-    heads.load_state_dict({name: tensor.to(torch.float32) for name, tensor in state.items()})
-    return heads.to(dtype).eval()
+    return config, load_file(str(directory / WEIGHTS_NAME))
