@@ -25,6 +25,7 @@ TOOLS = {
     "convert-gguf": ("specserve.model.gguf", "convert a Llama-family GGUF file into a model directory"),
     "train-demo": ("specserve.tools.train_demo", "train the embedded demo model pair"),
     "train-medusa": ("specserve.tools.train_medusa", "train Medusa heads for a frozen target"),
+    "train-eagle": ("specserve.tools.train_eagle", "train an EAGLE head for a frozen chat target on its own answers"),
     "fuzz": ("specserve.tools.fuzz", "generated bad input against a running stack (needs the test extras)"),
     "trace": ("specserve.tools.trace_report", "per-hop latency table and plots from a run's spans"),
     "eval-demo": ("specserve.tools.demo_eval", "measure the demo pair's model-card figures"),
@@ -117,6 +118,12 @@ def _add_models(up_parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Medusa heads for the target, served as method medusa by the verifier ('' for none; "
         "default: the demo's heads with the demo target, else none)",
+    )
+    up_parser.add_argument(
+        "--eagle",
+        default=None,
+        help="an EAGLE head for the target (specserve train-eagle), served as method eagle by the verifier "
+        "('' for none; default: a named model's under models/NAME/eagle where it is, else none)",
     )
     up_parser.add_argument("--device", default="auto", help="torch device for both models (default auto)")
 

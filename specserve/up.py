@@ -57,10 +57,11 @@ EARLY_EXIT_FRACTION = 4  # a draft service drafts another target with its first 
 
 
 def resolve_models(args: argparse.Namespace) -> str | None:
-    """Sets args.target, args.draft and args.medusa to the directories served (a named target
-    converted first; the draft: the demo's with the demo target, else none; the heads: the
-    demo's with the demo target, a named model's under models/NAME/medusa where the repository
-    ships them; unless asked); returns why they cannot be served, in one line, or None."""
+    """Sets args.target, args.draft, args.medusa and args.eagle to the directories served (a
+    named target converted first; the draft: the demo's with the demo target, else none; the
+    heads: the demo's with the demo target, a named model's under models/NAME/medusa and
+    models/NAME/eagle where the repository ships them; unless asked); returns why they cannot
+    be served, in one line, or None."""
     from specserve.model.gguf import ModelNotFound, is_named, log_conversions, resolve_model
 
     log_conversions()
@@ -77,6 +78,9 @@ def resolve_models(args: argparse.Namespace) -> str | None:
     if args.medusa is None:
         heads = DEMO_MEDUSA if demo else shipped
         args.medusa = str(heads) if heads is not None and (heads / "config.json").is_file() else ""
+    if args.eagle is None:
+        head = shipped.parent / "eagle" if shipped is not None else None
+        args.eagle = str(head) if head is not None and (head / "config.json").is_file() else ""
     roles = (("target", args.target), ("draft", args.draft)) if args.draft else (("target", args.target),)
     for role, path in roles:
         if not (Path(path) / "config.json").is_file():
@@ -107,7 +111,8 @@ def early_exit_layers(target: str) -> int:
 def default_method(args: argparse.Namespace) -> str | None:
     """The method of requests that name none, where `up` chooses it: the draft model where one
     is served (the gateway's own default), else the Medusa heads, else n-gram copies (free
-    where the context does not repeat)."""
+    where the context does not repeat). An EAGLE head is served for requests that name it:
+    on SmolLM2 it has not yet paid (docs/benchmarks.md, "EAGLE heads on SmolLM2")."""
     if args.method or args.draft:
         return args.method
     return "medusa" if args.medusa else "ngram"
@@ -129,6 +134,7 @@ def _service_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     ]
     verify += ["--trace-console"] if args.trace_console else []
     verify += ["--medusa", args.medusa] if args.medusa else []
+    verify += ["--eagle", args.eagle] if args.eagle else []
     copy = [] if args.copy_min_ngram is None else ["--copy-min-ngram", str(args.copy_min_ngram)]
     early_exit = ["--early-exit-layers", str(early_exit_layers(args.target))]
     if not args.draft_service:

@@ -70,6 +70,7 @@ def test_every_runtime_module_reads_the_method_names_from_the_registry():
     assert registry.names()[:4] == ("draft_model", "early_exit", "ngram", "suffix")
     assert set(registry.names(registry.VERIFIER)) - set(registry.names(registry.DRAFT_SERVICE)) == {
         "medusa",
+        "eagle",
         "lookahead",
     }
 
@@ -80,7 +81,7 @@ def test_a_name_is_registered_once_and_an_unknown_one_is_refused_by_name():
     with pytest.raises(ValueError, match="registered already"):
         registry.register(registry.MethodSpec("none", "target-only", registry.BOTH))
     with pytest.raises(Exception, match="must be one of draft_model, early_exit, ngram"):
-        registry.spec_of("eagle")
+        registry.spec_of("hydra")
 
 
 def test_a_registered_toy_method_is_drafted_checked_and_offered_everywhere(toy):

@@ -7,11 +7,16 @@ import sys
 import threading
 import time
 
+import torch
+
 from specserve.config import parse_config, pin_to_cpus
 from specserve.drafting import Drafter, DraftOptions
+from specserve.methods.eagle import load_head
+from specserve.methods.eagle_drafts import EagleDrafting
 from specserve.methods.early_exit import choose_layers
 from specserve.methods.medusa import load_heads
 from specserve.methods.medusa_drafts import MedusaDrafting
+from specserve.model.linear import cpu_has_bf16
 from specserve.model.loading import LoadedModel, load_for_service, load_tokenizer, tokenizer_fingerprint
 from specserve.model.runner import UnsupportedModel
 from specserve.serving.batching import Batcher
@@ -79,7 +84,8 @@ def colocated_drafting(config: VerifyConfig, target: LoadedModel, metrics: Servi
     lookahead = config.lookahead if target.backend.supports_trees else None  # its window is a token tree
     every_round = {"all": True, "uncopied": False}.get(config.lookahead_window_rounds, target.device.type == "cuda")
     medusa = medusa_drafting(config, target)
-    return LocalDrafting(drafter, config.max_speculative_tokens, medusa, lookahead, every_round)
+    eagle = eagle_drafting(config, target, options.support_size)
+    return LocalDrafting(drafter, config.max_speculative_tokens, medusa, lookahead, every_round, eagle)
 
 
 def early_exit_layers(config: VerifyConfig, target: LoadedModel) -> int:
@@ -98,13 +104,32 @@ def medusa_drafting(config: VerifyConfig, target: LoadedModel) -> MedusaDrafting
     ValueError, names the difference)."""
     if not config.medusa:
         return None
-    runner = getattr(target.backend, "runner", None)
-    if runner is None:
-        raise ValueError("Medusa heads need the runner backend (this target is served by transformers)")
+    runner = runner_for(target, "Medusa heads need")
     heads = load_heads(config.medusa, config.model, dtype=runner.dtype)
     log.info("Medusa heads: %d from %s", heads.config.num_heads, config.medusa)
     copy = config.copy_min_ngram > 0
     return MedusaDrafting(heads, runner.lm_head, config.ngram_max, copy, target.eos_token_ids)
+
+
+def eagle_drafting(config: VerifyConfig, target: LoadedModel, support_size: int) -> EagleDrafting | None:
+    """The EAGLE head in config.eagle, checked against the target (HeadsMismatch, a
+    ValueError, names the difference)."""
+    if not config.eagle:
+        return None
+    runner = runner_for(target, "an EAGLE head needs")
+    head = load_head(config.eagle, config.model)
+    log.info("EAGLE head from %s, drafting among %d tokens", config.eagle, head.config.draft_vocab)
+    # A draft's dtype, not the target's: bfloat16 (int8 matrices on a CPU) where it is native.
+    dtype = torch.bfloat16 if runner.device.type != "cpu" or cpu_has_bf16() else torch.float32
+    return EagleDrafting(head, runner.embed, support_size, dtype)
+
+
+def runner_for(target: LoadedModel, needs: str):
+    """The target's runner, which the verifier's heads draft beside (ValueError without one)."""
+    runner = getattr(target.backend, "runner", None)
+    if runner is None:
+        raise ValueError(f"{needs} the runner backend (this target is served by transformers)")
+    return runner
 
 
 def main(argv: list[str] | None = None) -> int:

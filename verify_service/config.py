@@ -56,6 +56,11 @@ class VerifyConfig(ServiceOptions):
         "directory of Medusa heads made for this target (specserve train-medusa): requests with method medusa "
         "then draft from the target's own hidden state, no draft model (empty: not served)",
     )
+    eagle: str = field(
+        "",
+        "directory of an EAGLE head made for this target (specserve train-eagle): requests with method eagle "
+        "then draft from the target's hidden states, no draft model (empty: not served)",
+    )
     lookahead_window: int = field(
         DEFAULT_WINDOW, "method lookahead: W, guesses per level of the Jacobi window (a request may set its own)"
     )

@@ -227,7 +227,10 @@ class Verifier:
                 job.speculation.tree, self.backend.supports_trees, self.config.max_speculative_tokens
             )
         sampled = not (job.sampling or session.sampling).is_greedy
-        session.drafts = self.local.session_drafts(session.drafts, job.speculation, session.prompt_length, sampled)
+        drafts = self.local.session_drafts(session.drafts, job.speculation, session.prompt_length, sampled)
+        if drafts is not session.drafts and drafts.eagle is not None and session.hidden is not None:
+            drafts.eagle.observe(len(session.tokens) - 2, session.hidden[None])  # the last token's logits'
+        session.drafts = drafts
         session.drafts.grammar = session.grammar  # the drafts' q follow it too
 
     def _draft_locally(self, jobs: list[Job], rows: list[tuple[int, Row]]) -> DraftTiming | None:
@@ -378,6 +381,9 @@ class Verifier:
         last = num_accepted if row.path is None else [0, *row.path][num_accepted]  # the next token's
         row.session.hidden = hidden[last].clone() if hidden is not None and last < hidden.shape[0] else None
         session = row.session
+        eagle = session.drafts.eagle if session.drafts is not None else None
+        if eagle is not None and hidden is not None and row.path is None and num_accepted < hidden.shape[0]:
+            eagle.observe(len(session.tokens) - 1, hidden[: num_accepted + 1])  # the kept positions
         accepted = tuple(kept[:num_accepted])
         session.tokens.extend(accepted)
         session.tokens.append(next_token)

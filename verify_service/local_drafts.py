@@ -24,6 +24,7 @@ from specserve.errors import RequestError
 from specserve.grammar import GrammarState
 from specserve.logit_processing import NEUTRAL
 from specserve.methods import registry
+from specserve.methods.eagle_drafts import EagleDrafting, EagleState
 from specserve.methods.lookahead import LookaheadSession, LookaheadShape
 from specserve.methods.medusa_drafts import MedusaDrafting
 from specserve.pacing import MethodRate, Pacing
@@ -38,9 +39,10 @@ class SessionDrafts:
     """A verifier session's colocated drafting: its draft state and its choice of K."""
 
     speculation: Speculation
-    draft: DraftSession | None  # None for medusa (the heads keep no state) and lookahead
+    draft: DraftSession | None  # None for the verifier's own methods: medusa, eagle, lookahead
     chooser: KChooser
     lookahead: LookaheadSession | None = None
+    eagle: EagleState | None = None  # an EAGLE head's entries of the session
     drafted_rounds: int = 0
     last_k: int = 0  # the K of the round before
     tree_round: bool = False  # whether the round drafted now is a tree
@@ -143,12 +145,14 @@ class LocalDrafting:
         medusa: MedusaDrafting | None = None,
         lookahead: LookaheadShape | None = None,
         lookahead_every_round: bool = True,
+        eagle: EagleDrafting | None = None,
     ):
         """lookahead: the shape lookahead sessions take where a request sets none (None: the
         method is not served, as on the transformers backend, which has no token trees);
         lookahead_every_round: whether every round feeds the window, or only uncopied ones."""
         self.drafter = drafter
         self.medusa = medusa
+        self.eagle = eagle
         self.lookahead = lookahead
         self.lookahead_every_round = lookahead_every_round
         self.max_speculative_tokens = max_speculative_tokens
@@ -161,7 +165,11 @@ class LocalDrafting:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        own = (("medusa",) if self.medusa is not None else ()) + (("lookahead",) if self.lookahead else ())
+        own = tuple(
+            name
+            for name, served in (("medusa", self.medusa), ("eagle", self.eagle), ("lookahead", self.lookahead))
+            if served
+        )
         return (*self.drafter.methods, *own)
 
     def session_drafts(
@@ -176,7 +184,7 @@ class LocalDrafting:
         model = registry.spec_of(speculation.method).model  # its drafts first read what the target made
         chooser = KChooser(speculation, self.shared, self.max_speculative_tokens, sampled, cheap_probes=not model)
         # The verifier's own methods draft from the target's state; the others are the drafter's.
-        opened = {"lookahead": self._open_lookahead, "medusa": self._open_medusa}.get(
+        opened = {"lookahead": self._open_lookahead, "medusa": self._open_medusa, "eagle": self._open_eagle}.get(
             speculation.method, self._open_drafter
         )(speculation, chooser, prompt_length)  # raises for a method not served, or when full
         self.close(current)  # once the new one is open
@@ -190,6 +198,9 @@ class LocalDrafting:
 
     def _open_medusa(self, speculation: Speculation, chooser: KChooser, prompt_length: int) -> SessionDrafts:
         return SessionDrafts(speculation, None, chooser, prompt_length=prompt_length)  # the heads keep no state
+
+    def _open_eagle(self, speculation: Speculation, chooser: KChooser, prompt_length: int) -> SessionDrafts:
+        return SessionDrafts(speculation, None, chooser, prompt_length=prompt_length, eagle=EagleState())
 
     def _open_lookahead(self, speculation: Speculation, chooser: KChooser, prompt_length: int) -> SessionDrafts:
         shape = self.lookahead.with_settings(speculation.lookahead)  # raises for a bad setting
@@ -251,6 +262,9 @@ class LocalDrafting:
                 self._lookahead(out, i, drafts.lookahead, verified, choice.k, sampling.is_greedy)
         if heads:
             self._medusa(jobs, heads, out)
+        guessed = [i for i, (drafts, _, choice, _, _) in enumerate(jobs) if choice.k > 0 and drafts.eagle is not None]
+        if guessed:
+            self._eagle(jobs, guessed, out)
         if wanted:
             for i, proposal in zip(wanted, self._step([self._job(*jobs[i][:4]) for i in wanted])):
                 if isinstance(proposal, Proposal):
@@ -285,6 +299,18 @@ class LocalDrafting:
             return
         for i, proposal in zip(rows, proposals):
             out[i] = LocalProposal(*proposal)
+
+    def _eagle(self, jobs: list, rows: list[int], out: list[LocalProposal]) -> None:
+        asked = [(jobs[i][0].eagle, jobs[i][1], jobs[i][2].k, jobs[i][3]) for i in rows]
+        try:
+            proposals = self.eagle.propose(asked)
+        except Exception as error:  # noqa: BLE001 - drafts are optional: the rounds run target-only
+            self._failures.warning("EAGLE drafting failed (%s); the round runs target-only", error)
+            for state, *_ in asked:  # its entries may be half read: they start again
+                state.reset()
+            return
+        for i, (drafts, distributions) in zip(rows, proposals):
+            out[i] = LocalProposal(drafts, distributions)
 
     def _in_vocabulary(self, proposal: Proposal) -> LocalProposal:
         """The proposal up to its first position that reaches past the target's vocabulary (a

@@ -133,6 +133,14 @@ register(
 )
 register(
     MethodSpec(
+        "eagle",
+        "a head that guesses the target's next hidden states from its last ones",
+        frozenset({VERIFIER}),
+        needs="an EAGLE head",
+    )
+)
+register(
+    MethodSpec(
         "lookahead",
         "the target's own guesses in a Jacobi window fed beside the round",
         frozenset({VERIFIER}),

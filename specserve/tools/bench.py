@@ -618,7 +618,8 @@ def start_stack(args, with_ports: bool = False):
                *(["--draft-service"] if draft_service else []),
                *(["--copy-min-ngram", str(args.copy_min_ngram)] if getattr(args, "copy_min_ngram", None) is not None
                  else []),
-               *(["--medusa", args.medusa] if getattr(args, "medusa", None) is not None else [])]  # fmt: skip
+               *(["--medusa", args.medusa] if getattr(args, "medusa", None) is not None else []),
+               *(["--eagle", args.eagle] if getattr(args, "eagle", None) is not None else [])]  # fmt: skip
     keys = {"SPECSERVE_GATEWAY_API_KEYS": ",".join(ROW_KEYS)} if getattr(args, "row_keys", False) else {}
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ, **keys})
     url = f"http://127.0.0.1:{ports['gateway']}"
@@ -720,6 +721,8 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--medusa", default=None,
                         help="a stack the bench starts: `specserve up --medusa` "
                              "(default: the demo's heads with the demo target)")  # fmt: skip
+    parser.add_argument("--eagle", default=None,
+                        help="a stack the bench starts: `specserve up --eagle` (default: none)")  # fmt: skip
     parser.add_argument("--copy-min-ngram", type=int, default=None,
                         help="a stack the bench starts: `specserve up --copy-min-ngram` "
                              "(default: the services')")  # fmt: skip
