@@ -31,10 +31,20 @@ def _service_parser(module: str, config: str, prefix: str) -> argparse.ArgumentP
 def parser_of(subcommand: str) -> argparse.ArgumentParser | None:
     from specserve.cli import _parser
     from specserve.model import gguf
-    from specserve.tools import bench, demo_eval, fuzz, load, protogen, trace_report, train_demo, train_medusa
+    from specserve.tools import (
+        bench,
+        demo_eval,
+        fuzz,
+        load,
+        protogen,
+        trace_report,
+        train_demo,
+        train_eagle,
+        train_medusa,
+    )
 
     tools = {"bench": bench, "load": load, "fuzz": fuzz, "trace": trace_report, "eval-demo": demo_eval,
-             "train-demo": train_demo, "train-medusa": train_medusa, "gen-protos": protogen,
+             "train-demo": train_demo, "train-medusa": train_medusa, "train-eagle": train_eagle, "gen-protos": protogen,
              "convert-gguf": gguf}  # fmt: skip
     if subcommand in tools:
         return tools[subcommand].build_parser()
