@@ -152,3 +152,11 @@ def test_a_stack_without_a_head_names_the_methods_it_serves(stack):
     )
     assert reply.status_code == 400
     assert "eagle" in reply.text and "ngram" in reply.text
+
+
+def test_train_eagle_refuses_bad_flags_before_loading_anything(tmp_path):
+    for flags in (["--vocab", "0"], ["--questions", "0"], ["--lr", "0"], ["--temperature", "-1"]):
+        with pytest.raises(SystemExit) as stopped:
+            train_eagle.main(["--target", str(tmp_path / "absent"), "--out", str(tmp_path / "head"), *flags])
+        assert stopped.value.code == 2, flags
+    assert not (tmp_path / "head").exists()

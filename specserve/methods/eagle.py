@@ -85,7 +85,8 @@ class EagleConfig:
 
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [..., head_dim] of positions [...] (default RoPE)."""
-    freqs = positions.float()[..., None] / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device) / head_dim
+    freqs = positions.float()[..., None] / theta**exponents
     angles = torch.cat([freqs, freqs], -1)
     return angles.cos(), angles.sin()
 

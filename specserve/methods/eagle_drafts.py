@@ -71,9 +71,10 @@ class _Packed(nn.Module):
 
 class EagleDrafting:
     def __init__(self, head: EagleHead, embed: torch.Tensor, support_size: int, dtype: torch.dtype = torch.bfloat16):
-        """embed: the target's input embeddings [vocab, hidden]."""
-        self.head = head.to(dtype)
-        int8 = dtype == torch.bfloat16 and head.lm_rows.device.type == "cpu" and int8_products_work()
+        """embed: the target's input embeddings [vocab, hidden] (the head drafts on their device)."""
+        self.device = embed.device
+        self.head = head.to(device=self.device, dtype=dtype)
+        int8 = dtype == torch.bfloat16 and self.device.type == "cpu" and int8_products_work()
         for name in ("fc", "qkv", "o", "gate_up", "down"):
             setattr(self.head, name, _Packed(getattr(self.head, name), int8))
         self.lm_rows = Linear(self.head.lm_rows.detach(), row_invariant=False, int8=int8)
@@ -101,7 +102,7 @@ class EagleDrafting:
                 distributions.append(distribution)
             if i + 1 == k:
                 break
-            position = torch.tensor([len(verified) - 1 + i])
+            position = torch.tensor([len(verified) - 1 + i], device=self.device)
             x, q, key, value = self.head.entries(guess[None], self.embed[token][None].to(self.dtype), position)
             keys, values = torch.cat([keys, key]), torch.cat([values, value])
             guess = self.head.finish(x, attend(q[None], keys[None], values[None], None)[0])[0]
@@ -114,11 +115,12 @@ class EagleDrafting:
         if state.start < 0 or count == 0 or first + count != len(verified) - 1:
             return None
         feature = torch.stack(state.pending).to(self.dtype)
-        embedding = self.embed[torch.tensor(verified[first + 1 : first + 1 + count])].to(self.dtype)
-        x, q, key, value = self.head.entries(feature, embedding, torch.arange(first, first + count))
+        tokens = torch.tensor(verified[first + 1 : first + 1 + count], device=self.device)
+        positions = torch.arange(first, first + count, device=self.device)
+        x, q, key, value = self.head.entries(feature, self.embed[tokens].to(self.dtype), positions)
         keys = key if state.keys is None else torch.cat([state.keys, key])
         values = value if state.values is None else torch.cat([state.values, value])
-        seen = torch.arange(keys.shape[0])[None] <= torch.arange(state.entries, keys.shape[0])[:, None]
+        seen = positions[:, None] - state.start >= torch.arange(keys.shape[0], device=self.device)[None]
         guessed = self.head.finish(x, attend(q[None], keys[None], values[None], seen)[0])
         state.keys, state.values, state.pending = keys, values, []
         return guessed[-1]
@@ -127,7 +129,7 @@ class EagleDrafting:
         logits = self.lm_rows(guess[None])[0].float()
         if sampling.is_greedy:
             return int(self.vocabulary[logits.argmax()]), None
-        full = torch.full((self.vocab_size,), float("-inf"))
+        full = torch.full((self.vocab_size,), float("-inf"), device=logits.device)
         full[self.vocabulary] = logits
         ids, q = truncate_to_support(processed_probs(full[None], sampling)[0], self.support_size)
         distribution = SparseDistribution(tuple(ids.tolist()), tuple(q.tolist()))

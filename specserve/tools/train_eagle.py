@@ -251,6 +251,8 @@ def run(recipe: EagleRecipe) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
     rows = [r for r in make_answers(model, tokenizer, recipe, out / "work" / "answers.jsonl") if len(r["answer"]) > 2]
+    if not rows:
+        raise SystemExit(f"specserve train-eagle: the target gave no answer of 3 tokens or more ({out / 'work'})")
     log.info("reading %d answers through the target", len(rows))
     data = features(model, rows)
     held = [row for i, row in enumerate(data) if i % HELD_OUT == 0]
@@ -294,7 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("questions", "max_new_tokens", "batch", "vocab", "k", "heldout"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_steps < 0 or args.lr <= 0 or args.temperature < 0:
+        parser.error("--max-steps must not be negative, --lr must be positive, --temperature not negative")
     if args.out is None:
         if not is_named(args.target):
             raise SystemExit("specserve train-eagle: pass --out DIR (the default is for a named target only)")
