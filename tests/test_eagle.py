@@ -13,7 +13,7 @@ import torch
 from specserve.methods.eagle import EagleConfig, EagleHead, attend, load_head, save_head
 from specserve.methods.eagle_drafts import EagleDrafting, EagleState
 from specserve.methods.medusa import HeadsMismatch
-from specserve.sampling import SamplingParams
+from specserve.sampling import SamplingParams, truncate_to_support
 from specserve.tools import train_eagle
 from tests.conftest import start_stack, stop_process
 from tests.test_e2e import PROMPTS, check_second_tokens
@@ -46,10 +46,11 @@ def test_train_eagle_keeps_more_drafts_than_an_untrained_head(tiny_pair, trained
     out, report = trained
     assert {"config.json", "model.safetensors", "training_report.json"} <= {p.name for p in out.iterdir()}
     head = load_head(out, target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()  # as the command reads
     rows = [json.loads(line) for line in (out / "work" / "answers.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if len(row["answer"]) > 2]  # the answers the command kept
     held = train_eagle.features(model, rows[:: train_eagle.HELD_OUT][:4])
-    embed = model.get_input_embeddings().weight.detach()
+    embed = model.get_input_embeddings().weight.detach().float()
     untrained = EagleHead(head.config)
     untrained.vocabulary.copy_(head.vocabulary)
     untrained.lm_rows.copy_(head.lm_rows)
@@ -82,13 +83,55 @@ def test_drafting_from_kept_hidden_states_is_the_heads_own_chain(tiny_pair, trai
             x, qs, k, v = head.entries(
                 hidden[None, start : end - 1], embed[tokens[start + 1 : end]][None], torch.arange(start, end - 1)
             )
-            guess = head.finish(x, attend(qs, k, v, None))[0, -1]
+            guess = head.finish(x, attend(qs, k, v, causal=True))[0, -1]
         assert drafts == (int(head.vocabulary[(guess @ head.lm_rows.T).argmax()]),)
         if after is not None:  # the verify's hidden states of the positions it kept
             state.observe(end - 1, hidden[end - 1 : after - 1])
     state.observe(3, hidden[3:4])  # a position that does not follow: the entries start again
     assert (state.start, state.entries, len(state.pending)) == (3, 0, 1)
     assert drafting.propose([(state, tokens, 2, greedy)]) == [((), ())]  # they do not reach the last token
+
+
+def test_a_chains_later_drafts_attend_over_every_entry_before_them(tiny_pair, trained):
+    """Each draft of a sampled chain is drawn from the head's guess with every entry before it
+    in view (the session's and the round's own: attention written out here by hand), and
+    its q is that distribution, truncated to the support size."""
+    from transformers import AutoModelForCausalLM
+
+    target_dir, _ = tiny_pair
+    head = load_head(trained[0], target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    tokens = list(PROMPTS[1]) + [7, 8, 9]
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([tokens])).last_hidden_state[0]
+    embed = model.get_input_embeddings().weight.detach()
+    start = len(PROMPTS[1]) - 1
+    state = EagleState()
+    state.observe(start, hidden[start : len(tokens) - 1])
+    drafting = EagleDrafting(head, embed, support_size=8, dtype=torch.float32)
+    ((drafts, distributions),) = drafting.propose([(state, tokens, 3, SamplingParams(temperature=1.0, seed=3))])
+    c = head.config
+    keys, values = [], []
+
+    def entry(feature, token, position):
+        """The head's guess after one more entry, attending over all entries so far."""
+        x, q, k, v = head.entries(feature[None], embed[token][None], torch.tensor([position]))
+        keys.append(k[0].repeat_interleave(c.num_heads // c.num_kv_heads, 0))
+        values.append(v[0].repeat_interleave(c.num_heads // c.num_kv_heads, 0))
+        weights = (torch.einsum("hd,nhd->hn", q[0], torch.stack(keys)) / c.head_dim**0.5).softmax(-1)
+        return head.finish(x, torch.einsum("hn,nhd->hd", weights, torch.stack(values))[None])[0]
+
+    with torch.no_grad():
+        for position in range(start, len(tokens) - 1):
+            guess = entry(hidden[position], tokens[position + 1], position)
+        for i, (draft, q) in enumerate(zip(drafts, distributions)):  # each draft's q: what it was drawn from
+            logits = torch.full((c.vocab_size,), float("-inf"))
+            logits[head.vocabulary] = guess @ head.lm_rows.T
+            ids, probs = truncate_to_support(logits.softmax(-1), 8)
+            assert q.token_ids == tuple(ids.tolist()) and draft in q.token_ids
+            assert q.probs == pytest.approx(probs.tolist(), abs=1e-4)
+            guess = entry(guess, draft, len(tokens) - 1 + i)
+    assert len(drafts) == len(distributions) == 3
 
 
 def test_a_head_made_for_another_target_is_refused(tiny_pair, tmp_path):

@@ -383,7 +383,7 @@ class Verifier:
         session = row.session
         eagle = session.drafts.eagle if session.drafts is not None else None
         if eagle is not None and hidden is not None and row.path is None and num_accepted < hidden.shape[0]:
-            eagle.observe(len(session.tokens) - 1, hidden[: num_accepted + 1])  # the kept positions
+            eagle.observe(len(session.tokens) - 1, hidden[: num_accepted + 1].clone())  # the kept positions
         accepted = tuple(kept[:num_accepted])
         session.tokens.extend(accepted)
         session.tokens.append(next_token)

@@ -130,15 +130,19 @@ class EagleHead(nn.Module):
     def forward(self, feature: torch.Tensor, embedding: torch.Tensor):
         """Teacher-forced, causal: entries [B, T, hidden] -> (guessed features, (keys, values))."""
         x, q, k, v = self.entries(feature, embedding, torch.arange(feature.shape[-2]))
-        attended = attend(q, k, v, None)
+        attended = attend(q, k, v, causal=True)
         return self.finish(x, attended), (k, v)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention of q [B, T, heads, d] over k, v [B, S, kv_heads, d]: mask [T, S] (True: may
-    attend), None causal."""
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = False
+) -> torch.Tensor:
+    """Attention of q [B, T, heads, d] over k, v [B, S, kv_heads, d]: where mask [T, S] says
+    (True: may attend), causally where T = S and causal says, else over every key. (torch's
+    is_causal aligns its mask to the first key: one query would see the first key only.)"""
+    assert not causal or q.shape[1] == k.shape[1], "a causal attention's queries are its keys"
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
     return out.transpose(1, 2)
 
 
@@ -162,5 +166,8 @@ def load_head(head_dir: str | Path, target_dir: str | Path) -> EagleHead:
     head = EagleHead(config)
     if set(state) != set(head.state_dict()):
         raise HeadsMismatch(f"{head_dir} does not hold an EAGLE head: {sorted(state)[:4]}")
-    head.load_state_dict({name: tensor if name == "vocabulary" else tensor.float() for name, tensor in state.items()})
+    try:
+        head.load_state_dict({name: t if name == "vocabulary" else t.float() for name, t in state.items()})
+    except RuntimeError as error:  # shapes that are not its config's
+        raise HeadsMismatch(f"{head_dir} does not hold the head its config.json describes: {error}") from None
     return head.eval()

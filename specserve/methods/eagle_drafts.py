@@ -5,9 +5,9 @@ Each session keeps the head's keys and values of its entries (one per position w
 hidden state the verifier gave, from the prompt's last on) and the hidden states not yet
 read. A round first reads those (the tokens the last round kept: one entry each, in one
 product), whose last guess drafts the first token; each later draft is one more entry, the
-guess before it and its token, whose keys the round then forgets. A session whose positions
-skip (a decode that extends the prompt) starts its entries again where the hidden states
-start.
+guess before it and its token, whose keys the round then forgets. Where the hidden states
+given do not follow the entries (a token tree's round, which the state does not see, or a
+drafting that failed and reset it), the entries start again where they start.
 
 The drafts are drawn from the head's distribution over its vocabulary, processed as the
 request's sampling processes the target's (temperature, top-k, top-p) and truncated to the
@@ -105,7 +105,7 @@ class EagleDrafting:
             position = torch.tensor([len(verified) - 1 + i], device=self.device)
             x, q, key, value = self.head.entries(guess[None], self.embed[token][None].to(self.dtype), position)
             keys, values = torch.cat([keys, key]), torch.cat([values, value])
-            guess = self.head.finish(x, attend(q[None], keys[None], values[None], None)[0])[0]
+            guess = self.head.finish(x, attend(q[None], keys[None], values[None])[0])[0]  # every entry
         return tuple(drafts), tuple(distributions)
 
     def _read(self, state: EagleState, verified: list[int]) -> torch.Tensor | None:

@@ -157,9 +157,9 @@ def train(head: EagleHead, data, embed: torch.Tensor, recipe: EagleRecipe) -> li
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=recipe.lr, weight_decay=0.0)
     started, step, history = time.monotonic(), 0, []
     while True:
-        done = (time.monotonic() - started) / (60 * recipe.train_minutes)
-        if recipe.max_steps:
-            done = step / recipe.max_steps
+        done = (
+            step / recipe.max_steps if recipe.max_steps else (time.monotonic() - started) / (60 * recipe.train_minutes)
+        )
         if done >= 1:
             return history
         for group in optimizer.param_groups:
@@ -196,7 +196,7 @@ def replay(head: EagleHead, data, embed: torch.Tensor, k: int) -> torch.Tensor:
         if size < 3:
             continue
         x, q, keys, values = head.entries(hidden[None, :size], embed[ids[1:]][None], torch.arange(size))
-        guessed = head.finish(x, attend(q, keys, values, None))[0, :-1]  # entry t guesses token t + 2
+        guessed = head.finish(x, attend(q, keys, values, causal=True))[0, :-1]  # entry t guesses token t + 2
         starts = torch.arange(size - 1)
         drafts, own = [head.vocabulary[(guessed @ head.lm_rows.T).argmax(-1)]], ([], [])
         for depth in range(1, k):
@@ -303,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.max_steps < 0 or args.lr <= 0 or args.temperature < 0:
         parser.error("--max-steps must not be negative, --lr must be positive, --temperature not negative")
+    if args.data_minutes <= 0 or args.train_minutes <= 0:
+        parser.error("--data-minutes and --train-minutes must be positive")
     if args.out is None:
         if not is_named(args.target):
             raise SystemExit("specserve train-eagle: pass --out DIR (the default is for a named target only)")
