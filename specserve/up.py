@@ -67,7 +67,7 @@ def resolve_models(args: argparse.Namespace) -> str | None:
     log_conversions()
 
     named = is_named(args.target)
-    shipped = REPO_ROOT / "models" / args.target / "medusa" if named else None  # where the repository ships heads
+    shipped = REPO_ROOT / "models" / args.target if named else None  # where the repository ships a model's heads
     try:
         args.target = resolve_model(args.target)
         demo = _is_demo(args.target)
@@ -76,11 +76,9 @@ def resolve_models(args: argparse.Namespace) -> str | None:
     except (ModelNotFound, ValueError, OSError) as error:
         return f"specserve: {error}"
     if args.medusa is None:
-        heads = DEMO_MEDUSA if demo else shipped
-        args.medusa = str(heads) if heads is not None and (heads / "config.json").is_file() else ""
+        args.medusa = _heads_in(DEMO_MEDUSA if demo else shipped / "medusa" if shipped else None)
     if args.eagle is None:
-        head = shipped.parent / "eagle" if shipped is not None else None
-        args.eagle = str(head) if head is not None and (head / "config.json").is_file() else ""
+        args.eagle = _heads_in(shipped / "eagle" if shipped else None)
     roles = (("target", args.target), ("draft", args.draft)) if args.draft else (("target", args.target),)
     for role, path in roles:
         if not (Path(path) / "config.json").is_file():
@@ -92,6 +90,11 @@ def resolve_models(args: argparse.Namespace) -> str | None:
     if args.draft_service and not args.draft:
         return "specserve: --draft-service runs a draft model: pass --draft DIR, or leave --draft-service out"
     return None
+
+
+def _heads_in(directory: Path | None) -> str:
+    """directory where it holds heads (a config.json), else ''."""
+    return str(directory) if directory is not None and (directory / "config.json").is_file() else ""
 
 
 def _is_demo(target: str) -> bool:

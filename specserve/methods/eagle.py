@@ -8,8 +8,8 @@ and a norm give g_t, the head's guess of f_{t+1}; the LM head's rows over g_t gu
 t + 2. A draft chain feeds each guess back as the next entry's feature, with the token it
 drafted. The head attends over a session's generated text only, from the prompt's last
 position on: the verifier keeps the hidden states of the tokens it verifies, and the
-prompt's context was measured to add nothing (docs/benchmarks.md, "A feature head for
-SmolLM2, replayed").
+prompt's context was measured to add nothing (docs/benchmarks.md, "EAGLE heads on
+SmolLM2").
 
 The head drafts among `vocabulary`, the target's commonest tokens in the text it was trained
 on, through its own copy of those rows of the target's LM head (`lm_rows`): a 49,152-token
@@ -29,7 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.methods.medusa import CONFIG_NAME, WEIGHTS_NAME, HeadsMismatch, read_checkpoint, target_fingerprint
+from specserve.methods.medusa import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    HeadsMismatch,
+    check_made_for,
+    read_checkpoint,
+    target_fingerprint,
+)
 from specserve.model.llama import mlp, rms_norm, rotate
 
 FORMAT = "specserve-eagle-head"
@@ -75,12 +82,7 @@ class EagleConfig:
 
     def check_target(self, target_dir: str | Path) -> None:
         """Raises HeadsMismatch, naming the difference, unless this head fits the target."""
-        fingerprint = target_fingerprint(target_dir)
-        if self.target_fingerprint != fingerprint:
-            raise HeadsMismatch(
-                f"the EAGLE head was made for another target ({self.target_name or 'unnamed'}, config sha256 "
-                f"{self.target_fingerprint[:12]}), not {target_dir} (config sha256 {fingerprint[:12]})"
-            )
+        check_made_for(self.target_fingerprint, self.target_name, target_dir, "the EAGLE head was")
 
 
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -76,11 +76,18 @@ class MedusaConfig:
                     f"the heads were made for a target with {name} {getattr(self, name)}, "
                     f"{target_dir} has {getattr(target, name)}"
                 )
-        if self.target_fingerprint != target.target_fingerprint:
-            raise HeadsMismatch(
-                f"the heads were made for another target ({self.target_name or 'unnamed'}, config sha256 "
-                f"{self.target_fingerprint[:12]}), not {target_dir} (config sha256 {target.target_fingerprint[:12]})"
-            )
+        check_made_for(self.target_fingerprint, self.target_name, target_dir, "the heads were")
+
+
+def check_made_for(fingerprint: str, name: str, target_dir: str | Path, what: str) -> None:
+    """Raises HeadsMismatch unless fingerprint, of the target a checkpoint was made for
+    (named name; what: "the heads were", say), is target_dir's."""
+    actual = target_fingerprint(target_dir)
+    if fingerprint != actual:
+        raise HeadsMismatch(
+            f"{what} made for another target ({name or 'unnamed'}, config sha256 "
+            f"{fingerprint[:12]}), not {target_dir} (config sha256 {actual[:12]})"
+        )
 
 
 def residual_block(hidden: torch.Tensor, product: torch.Tensor) -> torch.Tensor:

@@ -71,7 +71,8 @@ def prompt_ids(tokenizer, question: str) -> list[int]:
 
 
 def make_answers(model, tokenizer, recipe: EagleRecipe, path: Path) -> list[dict]:
-    """The target's greedy answers (cached in path, JSON lines of prompt and answer ids)."""
+    """The target's answers, greedy or at recipe.temperature (cached in path, JSON lines of
+    prompt and answer ids)."""
     from tqdm import tqdm
 
     from specserve.tools.workloads import chat_questions
@@ -154,7 +155,7 @@ def loss_of(guessed, target, mask, lm_rows) -> tuple[torch.Tensor, float]:
 
 def train(head: EagleHead, data, embed: torch.Tensor, recipe: EagleRecipe) -> list[dict]:
     """Trains head in place (cosine schedule over the minutes or steps); the loss history."""
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=recipe.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=recipe.lr, weight_decay=0.0)
     started, step, history = time.monotonic(), 0, []
     while True:
         done = (
@@ -169,12 +170,8 @@ def train(head: EagleHead, data, embed: torch.Tensor, recipe: EagleRecipe) -> li
             guessed, keys = head(feature, embedding)
             loss, agree = loss_of(guessed, target, mask, head.lm_rows)
             if recipe.unroll and guessed.shape[1] > 2:
-                loss = (
-                    loss
-                    + loss_of(
-                        second_entries(head, guessed, nexts, embed, keys), target[:, 1:], mask[:, 1:], head.lm_rows
-                    )[0]
-                )
+                second = second_entries(head, guessed, nexts, embed, keys)
+                loss = loss + loss_of(second, target[:, 1:], mask[:, 1:], head.lm_rows)[0]
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
