@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +38,10 @@ from specserve.methods.medusa import (
     read_checkpoint,
     target_fingerprint,
 )
-from specserve.model.llama import mlp, rms_norm, rotate
+from specserve.model.llama import mlp, rms_norm, rope_tables, rotate
 
 FORMAT = "specserve-eagle-head"
+ROPE_TABLE_MIN = 1024  # positions in the smallest RoPE table a head keeps
 
 
 @dataclass(frozen=True)
@@ -85,14 +87,6 @@ class EagleConfig:
         check_made_for(self.target_fingerprint, self.target_name, target_dir, "the EAGLE head was")
 
 
-def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [..., head_dim] of positions [...] (default RoPE)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device) / head_dim
-    freqs = positions.float()[..., None] / theta**exponents
-    angles = torch.cat([freqs, freqs], -1)
-    return angles.cos(), angles.sin()
-
-
 class EagleHead(nn.Module):
     """fc([feature, embedding]) -> one Llama decoder layer -> a norm: the next feature; its
     draft tokens through lm_rows, among vocabulary."""
@@ -110,6 +104,23 @@ class EagleHead(nn.Module):
         self.norms = nn.Parameter(torch.ones(3, hidden))  # the layer's input and post-attention, the output's
         self.register_buffer("vocabulary", torch.arange(config.draft_vocab))
         self.register_buffer("lm_rows", torch.zeros(config.draft_vocab, hidden))
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of positions 0.. (angles)
+
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [..., head_dim] of positions [...] (default RoPE at the config's theta),
+        read from a table of every position up to a power of two past the largest asked."""
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        if self._rope is None or self._rope[0].shape[0] < needed or self._rope[0].device != positions.device:
+            c = self.config
+            rope = SimpleNamespace(
+                rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+                head_dim=c.head_dim,
+                hidden_size=c.hidden_size,
+                num_attention_heads=c.num_heads,
+            )
+            size = max(ROPE_TABLE_MIN, 1 << (needed - 1).bit_length())
+            self._rope = rope_tables(rope, size, positions.device, torch.float)
+        return self._rope[0][positions], self._rope[1][positions]
 
     def entries(self, feature: torch.Tensor, embedding: torch.Tensor, positions: torch.Tensor):
         """x [..., T, hidden] and q, k, v [..., T, heads, d] of entries (feature, embedding)."""
@@ -118,7 +129,7 @@ class EagleHead(nn.Module):
         qkv = self.qkv(rms_norm(x, self.norms[0].to(x.dtype), c.rms_norm_eps))
         q, k, v = qkv.split([c.num_heads * c.head_dim, *[c.num_kv_heads * c.head_dim] * 2], -1)
         shape = (*x.shape[:-1], -1, c.head_dim)
-        cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)
+        cos, sin = self.angles(positions)
         q, k = rotate(q.reshape(shape), cos, sin).to(x.dtype), rotate(k.reshape(shape), cos, sin).to(x.dtype)
         return x, q, k, v.reshape(shape)
 

@@ -58,12 +58,12 @@ class EagleState:
 class _Packed(nn.Module):
     """A head's matrix as the runner multiplies a draft's: int8 rows where the CPU multiplies
     bfloat16 natively (each draft step reads the matrices afresh after a verify has evicted
-    them, and int8 rows are the fewest bytes), else prepacked in the head's dtype."""
+    them, and int8 rows are the fewest bytes), else prepacked in dtype."""
 
-    def __init__(self, linear: nn.Linear, int8: bool) -> None:
+    def __init__(self, linear: nn.Linear, int8: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        bias = None if linear.bias is None else linear.bias.detach()
-        self.product = Linear(linear.weight.detach(), bias, row_invariant=False, int8=int8)
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        self.product = Linear(linear.weight.detach().to(dtype), bias, row_invariant=False, int8=int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x)
@@ -71,17 +71,21 @@ class _Packed(nn.Module):
 
 class EagleDrafting:
     def __init__(self, head: EagleHead, embed: torch.Tensor, support_size: int, dtype: torch.dtype = torch.bfloat16):
-        """embed: the target's input embeddings [vocab, hidden] (the head drafts on their device)."""
+        """embed: the target's input embeddings [vocab, hidden] (the head drafts on their
+        device). dtype: the matrices' (int8 rows multiplied in bfloat16 where the CPU
+        multiplies bfloat16 natively); on a CPU the rest of a step (norms, attention over the
+        session's keys) runs in float32, several times faster there than in bfloat16 for one
+        query (docs/design.md, "EAGLE heads")."""
         self.device = embed.device
-        self.head = head.to(device=self.device, dtype=dtype)
-        int8 = dtype == torch.bfloat16 and self.device.type == "cpu" and int8_products_work()
+        cpu = self.device.type == "cpu"
+        int8 = dtype == torch.bfloat16 and cpu and int8_products_work()
+        self.dtype = torch.float32 if cpu else dtype  # the activations' and the keys'
+        self.head = head.to(device=self.device, dtype=self.dtype)
         for name in ("fc", "qkv", "o", "gate_up", "down"):
-            setattr(self.head, name, _Packed(getattr(self.head, name), int8))
-        self.lm_rows = Linear(self.head.lm_rows.detach(), row_invariant=False, int8=int8)
+            setattr(self.head, name, _Packed(getattr(self.head, name), int8, dtype))
+        self.lm_rows = Linear(self.head.lm_rows.detach().to(dtype), row_invariant=False, int8=int8)
         self.vocabulary = self.head.vocabulary
-        self.vocab_size = head.config.vocab_size
         self.embed = embed
-        self.dtype = dtype
         self.support_size = support_size
 
     @torch.inference_mode()
@@ -126,11 +130,13 @@ class EagleDrafting:
         return guessed[-1]
 
     def _draw(self, guess: torch.Tensor, sampling, position: int) -> tuple[int, SparseDistribution | None]:
+        """A draft from the head's logits over its vocabulary: the argmax, or drawn from them
+        processed as the request's sampling processes the target's (over the vocabulary
+        alone: the same as over the target's with every other token at -inf)."""
         logits = self.lm_rows(guess[None])[0].float()
         if sampling.is_greedy:
             return int(self.vocabulary[logits.argmax()]), None
-        full = torch.full((self.vocab_size,), float("-inf"), device=logits.device)
-        full[self.vocabulary] = logits
-        ids, q = truncate_to_support(processed_probs(full[None], sampling)[0], self.support_size)
+        rows, q = truncate_to_support(processed_probs(logits[None], sampling)[0], self.support_size)
+        ids = self.vocabulary[rows]
         distribution = SparseDistribution(tuple(ids.tolist()), tuple(q.tolist()))
         return sample_sparse(ids, q, sampling.seed, position), distribution
