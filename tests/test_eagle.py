@@ -19,7 +19,7 @@ from tests.conftest import start_stack, stop_process
 from tests.test_e2e import PROMPTS, check_second_tokens
 
 TRAIN_FLAGS = ["--questions", "48", "--max-new-tokens", "32", "--batch", "48", "--max-steps", "80"]
-TRAIN_FLAGS += ["--vocab", "512", "--heldout", "4", "--lr", "0.005", "--temperature", "1"]
+TRAIN_FLAGS += ["--vocab", "512", "--heldout", "4", "--lr", "0.005", "--temperature", "1", "--text", "chat"]
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,35 @@ def test_train_eagle_keeps_more_drafts_than_an_untrained_head(tiny_pair, trained
     kept = train_eagle.replay(head, held, embed, 4).float().mean()
     assert kept == pytest.approx(report["tokens_per_round"]["K=4"] - 1, abs=0.05)
     assert kept > 1.5 * train_eagle.replay(untrained.eval(), held, embed, 4).float().mean()
+
+
+def test_sampled_kept_is_the_exact_rules_chance_of_keeping_a_first_draft(tiny_pair, trained):
+    """The report's sampled acceptance: at each position, the sum over tokens of min(p, q), with
+    p the target's distribution of the token the head guesses (read here from the model's own
+    logits, not from its hidden states) and q the head's, at one temperature."""
+    from transformers import AutoModelForCausalLM
+
+    target_dir, _ = tiny_pair
+    out, report = trained
+    head = load_head(out, target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    row = next(
+        r for r in map(json.loads, (out / "work" / "answers.jsonl").read_text().splitlines()) if len(r["answer"]) > 4
+    )
+    ((ids, hidden),) = train_eagle.features(model, [row])
+    embed = model.get_input_embeddings().weight.detach().float()
+    lm_head = model.get_output_embeddings().weight.detach().float()
+    with torch.no_grad():
+        logits = model(torch.tensor([row["prompt"] + row["answer"]])).logits[0].float()
+        guessed, _ = head(hidden[None, :-1], embed[ids[1:]][None])  # entry t guesses token t + 2
+    first, size, temperature = len(row["prompt"]) - 1, len(ids) - 1, 0.8
+    drafted = (guessed[0, : size - 1] @ head.lm_rows.T / temperature).softmax(-1)
+    target = (logits[first + 1 : first + size] / temperature).softmax(-1)[:, head.vocabulary]
+    expected = float(torch.minimum(drafted, target).sum(-1).mean())
+    assert train_eagle.sampled_kept(head, [(ids, hidden)], embed, lm_head, temperature) == pytest.approx(
+        expected, abs=0.02
+    )
+    assert 0 < report["sampled_first_draft_kept"]["0.8"] <= 1
 
 
 def test_drafting_from_kept_hidden_states_is_the_heads_own_chain(tiny_pair, trained):
@@ -195,6 +224,37 @@ def test_a_stack_without_a_head_names_the_methods_it_serves(stack):
     )
     assert reply.status_code == 400
     assert "eagle" in reply.text and "ngram" in reply.text
+
+
+def test_training_code_contexts_leave_the_held_out_code_out():
+    """Code prompts for a code target's drafters come from installed files, one a file, the
+    same for a seed, and never from the bench's held-out code (the demo's held-out standard
+    library files, the third-party packages of workload thirdparty)."""
+    from specserve.tools import workloads
+
+    contexts = workloads.training_code_contexts(40, seed=3)
+    assert len(contexts) == 40 and len(set(contexts)) == 40
+    assert contexts == workloads.training_code_contexts(40, seed=3) != workloads.training_code_contexts(40, seed=4)
+    held = [text for _, text in workloads.heldout_sources() + workloads.third_party_sources(min_lines=0)]
+    assert not [c for c in contexts if any(c in text for text in held)]
+
+
+def test_train_eagle_on_code_continues_installed_code(tiny_pair, tmp_path):
+    """--text code: the target continues training_code_contexts, tokenized as they are."""
+    from transformers import AutoTokenizer
+
+    from specserve.tools import workloads
+
+    target_dir, _ = tiny_pair
+    out = tmp_path / "head"
+    flags = ["--questions", "6", "--max-new-tokens", "8", "--batch", "6", "--max-steps", "3", "--vocab", "64"]
+    assert train_eagle.main(["--target", str(target_dir), "--out", str(out), "--text", "code", *flags]) == 0
+    rows = [json.loads(line) for line in (out / "work" / "answers.jsonl").read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    assert [row["prompt"] for row in rows] == [
+        tokenizer(text)["input_ids"] for text in workloads.training_code_contexts(6, seed=0)
+    ]
+    assert (out / "model.safetensors").is_file()
 
 
 def test_train_eagle_refuses_bad_flags_before_loading_anything(tmp_path):

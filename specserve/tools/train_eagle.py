@@ -1,10 +1,12 @@
-"""specserve train-eagle: an EAGLE head for a frozen chat target (specserve/methods/eagle.py).
+"""specserve train-eagle: an EAGLE head for a frozen target (specserve/methods/eagle.py).
 
 Text: the target's own answers (transformers, batched, bfloat16; greedy, or sampled at
---temperature) to chat questions
-made from templates and its tokenizer's words (specserve.tools.workloads.chat_questions), so
-that the head learns what the model writes when it serves, and no dataset is needed. They
-are kept in OUT/work/answers.jsonl: a rerun reuses them. One answer in 25 is held out.
+--temperature) to chat questions made from templates and its tokenizer's words
+(specserve.tools.workloads.chat_questions), or, with --text code (the default where the
+tokenizer has no chat template), its continuations of code cut from installed Python files
+(workloads.training_code_contexts), so that the head learns what the model writes when it
+serves, and no dataset is needed. They are kept in OUT/work/answers.jsonl: a rerun reuses
+them. One answer in 25 is held out.
 
 Training: the target reads each answer once (its normed last hidden states, from the
 prompt's last position on); the head learns, at entry t, KL(target || head) over its
@@ -14,9 +16,11 @@ hidden state f_{t+1}; with --unroll also the second step of a chain, fed its own
 Report: OUT/training_report.json and a table: at every position of the held-out answers the
 head drafts a greedy chain of --k tokens, and a round keeps them up to the first that
 differs from the answer (what a greedy verify would keep): the share of rounds keeping at
-least j drafts, and the tokens a round of K drafts would make.
+least j drafts, and the tokens a round of K drafts would make; and, sampled, the chance that
+the exact rule keeps a first draft drawn from the head (REPORT_TEMPERATURES).
 
     specserve train-eagle --target smollm2 --data-minutes 16 --train-minutes 10
+    specserve train-eagle --target models/demo/target --out models/demo/eagle --temperature 0.8
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from specserve.paths import REPO_ROOT
 
 log = logging.getLogger("specserve.tools.train_eagle")
 HELD_OUT = 25  # one answer in this many
+REPORT_TEMPERATURES = (0.8, 1.0)  # the report's sampled acceptance
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class EagleRecipe:
     data_minutes: float = 16.0
     max_new_tokens: int = 200
     temperature: float = 0.0  # of the answers: 0 greedy (what greedy requests see), else sampled
+    text: str = ""  # what the target is asked: chat questions or code prompts ("": chat where it has a chat template)
     batch: int = 128
     train_minutes: float = 10.0
     max_steps: int = 0  # 0: as many as train_minutes allow
@@ -59,6 +65,20 @@ class EagleRecipe:
     k: int = 4
     heldout: int = 50
     seed: int = 0
+
+
+def asked_prompts(tokenizer, recipe: EagleRecipe) -> list[list[int]]:
+    """What the target answers, as token ids: chat questions through its chat template, or
+    code prompts (the context before a cut in an installed Python file) as they are."""
+    from specserve.tools.workloads import chat_questions, training_code_contexts
+
+    if text_of(recipe, tokenizer) == "code":
+        return [tokenizer(text)["input_ids"] for text in training_code_contexts(recipe.questions, recipe.seed)]
+    return [prompt_ids(tokenizer, q) for q in chat_questions(tokenizer, recipe.questions, recipe.seed)]
+
+
+def text_of(recipe: EagleRecipe, tokenizer) -> str:
+    return recipe.text or ("chat" if getattr(tokenizer, "chat_template", None) else "code")
 
 
 def prompt_ids(tokenizer, question: str) -> list[int]:
@@ -75,11 +95,9 @@ def make_answers(model, tokenizer, recipe: EagleRecipe, path: Path) -> list[dict
     prompt and answer ids)."""
     from tqdm import tqdm
 
-    from specserve.tools.workloads import chat_questions
-
     if path.is_file():
         return [json.loads(line) for line in path.read_text().splitlines()]
-    asked = [prompt_ids(tokenizer, q) for q in chat_questions(tokenizer, recipe.questions, recipe.seed)]
+    asked = asked_prompts(tokenizer, recipe)
     rows, started, eos = [], time.monotonic(), model.config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     with tqdm(total=len(asked), desc="answers", unit="answer") as bar:
@@ -184,6 +202,14 @@ def train(head: EagleHead, data, embed: torch.Tensor, recipe: EagleRecipe) -> li
             )
 
 
+def _first_guesses(head: EagleHead, ids: torch.Tensor, hidden: torch.Tensor, embed: torch.Tensor):
+    """The head over an answer's true entries: (each entry's guess but the last's [size - 1,
+    hidden], entry t guessing token t + 2; the entries' keys and values [1, size, ...])."""
+    size = len(ids) - 1
+    x, q, keys, values = head.entries(hidden[None, :size], embed[ids[1:]][None], torch.arange(size))
+    return head.finish(x, attend(q, keys, values, causal=True))[0, :-1], keys, values
+
+
 @torch.inference_mode()
 def replay(head: EagleHead, data, embed: torch.Tensor, k: int) -> torch.Tensor:
     """Per held-out position, how many of the head's greedy chain of k drafts match the answer."""
@@ -192,8 +218,7 @@ def replay(head: EagleHead, data, embed: torch.Tensor, k: int) -> torch.Tensor:
         size = len(ids) - 1
         if size < 3:
             continue
-        x, q, keys, values = head.entries(hidden[None, :size], embed[ids[1:]][None], torch.arange(size))
-        guessed = head.finish(x, attend(q, keys, values, causal=True))[0, :-1]  # entry t guesses token t + 2
+        guessed, keys, values = _first_guesses(head, ids, hidden, embed)
         starts = torch.arange(size - 1)
         drafts, own = [head.vocabulary[(guessed @ head.lm_rows.T).argmax(-1)]], ([], [])
         for depth in range(1, k):
@@ -214,6 +239,24 @@ def replay(head: EagleHead, data, embed: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat(kept) if kept else torch.zeros(0, dtype=torch.int)
 
 
+@torch.inference_mode()
+def sampled_kept(head: EagleHead, data, embed: torch.Tensor, lm_head: torch.Tensor, temperature: float) -> float:
+    """The chance that a chain's first draft, sampled from the head at temperature, is kept by
+    the exact rule (the sum over tokens of min(p, q), p the target's distribution at the same
+    temperature), over every position of data."""
+    kept, positions = 0.0, 0
+    for ids, hidden in data:
+        size = len(ids) - 1
+        if size < 3:
+            continue
+        guessed = _first_guesses(head, ids, hidden, embed)[0]
+        drafted = (guessed @ head.lm_rows.T / temperature).softmax(-1)
+        target = (hidden[1:size] @ lm_head.T / temperature).softmax(-1)[:, head.vocabulary]
+        kept += float(torch.minimum(drafted, target).sum())
+        positions += size - 1
+    return kept / max(1, positions)
+
+
 def new_head(target_dir: str, lm_head: torch.Tensor, trained, size: int) -> EagleHead:
     """An untrained head drafting among the size commonest tokens of the trained answers."""
     counts = Counter(int(t) for ids, _ in trained for t in ids[1:])
@@ -224,7 +267,7 @@ def new_head(target_dir: str, lm_head: torch.Tensor, trained, size: int) -> Eagl
     return head
 
 
-def report_of(kept: torch.Tensor, recipe: EagleRecipe, trained, history: list[dict]) -> dict:
+def report_of(kept: torch.Tensor, recipe: EagleRecipe, trained, history: list[dict], sampled: dict) -> dict:
     at_least = [float((kept >= depth).float().mean()) if len(kept) else 0.0 for depth in range(1, recipe.k + 1)]
     return {
         "recipe": asdict(recipe),
@@ -235,6 +278,7 @@ def report_of(kept: torch.Tensor, recipe: EagleRecipe, trained, history: list[di
         "positions_replayed": len(kept),
         "kept_at_least": at_least,
         "tokens_per_round": {f"K={k}": 1 + sum(at_least[:k]) for k in range(1, recipe.k + 1)},
+        "sampled_first_draft_kept": sampled,  # by temperature
     }
 
 
@@ -258,7 +302,10 @@ def run(recipe: EagleRecipe) -> dict:
     head = new_head(target, model.get_output_embeddings().weight.detach(), trained, recipe.vocab)
     history = train(head, trained, embed, recipe)
     head.eval()
-    report = report_of(replay(head, held[: recipe.heldout], embed, recipe.k).float(), recipe, trained, history)
+    lm_head = model.get_output_embeddings().weight.detach().float()
+    sampled = {str(t): sampled_kept(head, held[: recipe.heldout], embed, lm_head, t) for t in REPORT_TEMPERATURES}
+    kept = replay(head, held[: recipe.heldout], embed, recipe.k).float()
+    report = report_of(kept, recipe, trained, history, sampled)
     save_head(head, out)
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -266,7 +313,7 @@ def run(recipe: EagleRecipe) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve train-eagle", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="smollm2", help="the chat target: a directory, or a named model")
+    parser.add_argument("--target", default="smollm2", help="the target: a directory, or a named model")
     parser.add_argument(
         "--out", default=None, help="the head's directory (default: models/NAME/eagle for a named target)"
     )
@@ -287,6 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         value = getattr(defaults, name)
         parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+    parser.add_argument(
+        "--text",
+        choices=("chat", "code"),
+        default="",
+        help="what the target answers: chat questions, or code prompts from installed Python files "
+        "(default: chat where the target's tokenizer has a chat template, else code)",
+    )
     parser.add_argument("--no-unroll", dest="unroll", action="store_false", help="train the first chain step only")
     return parser
 
@@ -311,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| K | tokens a round | rounds keeping at least K |\n|---|---|---|")
     for k, share in enumerate(report["kept_at_least"], start=1):
         print(f"| {k} | {report['tokens_per_round'][f'K={k}']:.2f} | {share:.3f} |")
+    for temperature, kept in report["sampled_first_draft_kept"].items():
+        print(f"sampled at T = {temperature}: a first draft is kept with probability {kept:.3f}")
     print(f"the head is in {args.out}")
     return 0
 

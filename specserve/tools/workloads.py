@@ -51,6 +51,39 @@ def third_party_sources(min_lines: int = 120) -> list[tuple[str, str]]:
     return sources
 
 
+# The held-out third-party packages and their kin (forks, the same authors' libraries, what they
+# are built on): no drafter trains on them, so that workload `thirdparty` stays unseen.
+HELD_OUT_KIN = ("httpx", "httpcore", "grpc", "google", "opentelemetry", "tqdm", "pydantic", "fastapi", "starlette")
+
+
+def training_code_contexts(count: int, seed: int, context_lines: int = 24) -> list[str]:
+    """count code prompts for training a code target's drafters (specserve train-eagle --text
+    code): each the context_lines lines before a random cut in a random Python file, one a
+    file, from the installed packages other than HELD_OUT_KIN and specserve, and the standard
+    library outside the demo's held-out split (models/demo/heldout_files.txt)."""
+    stdlib, installed = Path(sysconfig.get_paths()["stdlib"]), Path(sysconfig.get_paths()["purelib"])
+    listing = DEMO_MODELS / "heldout_files.txt"
+    held = {stdlib / rel for rel in listing.read_text().split()} if listing.is_file() else set()
+    skipped = ("site-packages", "test", "tests", "specserve", *HELD_OUT_KIN)
+    paths = [
+        path
+        for root in (stdlib, installed)
+        for path in root.rglob("*.py")
+        if path not in held and not any(part.startswith(skipped) for part in path.relative_to(root).parts[:-1])
+    ]
+    rng = random.Random(seed)
+    rng.shuffle(paths)
+    prompts: list[str] = []
+    for path in paths:
+        if len(prompts) == count:
+            break
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        if len(lines) > context_lines + 8:
+            cut = rng.randrange(context_lines, len(lines) - 8)
+            prompts.append(_at_token_boundary("".join(lines[cut - context_lines : cut])))
+    return prompts
+
+
 def code_completion_prompts(count: int, context_lines: int = 24, sources: list | None = None) -> list[str]:
     """count prompts, each the context_lines lines before a cut point inside a held-out file
     (or one of sources), cut points spread evenly over each file, at line starts, never in the
