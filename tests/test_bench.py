@@ -241,8 +241,25 @@ def test_the_thirdparty_workload_continues_installed_packages_code():
 
 
 def test_rows_with_several_clients_take_turns_block_by_block():
+    """After a warm-up block of each row of a client count, sent for a spare copy whose
+    figures are not kept, the rows take turns block by block."""
     rows = [bench.Row("code", 0.8, clients, method) for clients in (4, 2) for method in ("none", "default")]
-    steps = bench.load_steps(rows, {"code": list("abcdefgh")})
+    every = bench.load_steps(rows, {"code": list("abcdefgh")})
+    spares = [
+        (i, row.clients, row.method, "".join(block))
+        for i, (row, block) in enumerate(every)
+        if all(row is not kept for kept in rows)
+    ]
+    assert spares == [
+        (0, 2, "none", "ab"),
+        (1, 2, "default", "ab"),
+        (10, 4, "none", "abcd"),
+        (11, 4, "default", "abcd"),
+    ]
+    assert all(
+        row == original and row is not original for row, original in zip((every[i][0] for i in (0, 1)), rows[2:])
+    )
+    steps = [(row, block) for row, block in every if any(row is kept for kept in rows)]
     assert [(row.clients, row.method, block) for row, block in steps[:4]] == [
         (2, "none", ["a", "b"]), (2, "default", ["a", "b"]), (2, "none", ["c", "d"]), (2, "default", ["c", "d"]),
     ]  # fmt: skip
