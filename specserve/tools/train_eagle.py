@@ -20,7 +20,7 @@ least j drafts, and the tokens a round of K drafts would make; and, sampled, the
 the exact rule keeps a first draft drawn from the head (REPORT_TEMPERATURES).
 
     specserve train-eagle --target smollm2 --data-minutes 16 --train-minutes 10
-    specserve train-eagle --target models/demo/target --out models/demo/eagle --temperature 0.8
+    specserve train-eagle --target models/demo/target --out demo-eagle --temperature 0.8
 """
 
 from __future__ import annotations
