@@ -65,12 +65,12 @@ def training_code_contexts(count: int, seed: int, context_lines: int = 24) -> li
     listing = DEMO_MODELS / "heldout_files.txt"
     held = {stdlib / rel for rel in listing.read_text().split()} if listing.is_file() else set()
     skipped = ("site-packages", "test", "tests", "specserve", *HELD_OUT_KIN)
-    paths = [
+    paths = sorted(
         path
         for root in (stdlib, installed)
         for path in root.rglob("*.py")
         if path not in held and not any(part.startswith(skipped) for part in path.relative_to(root).parts[:-1])
-    ]
+    )
     rng = random.Random(seed)
     rng.shuffle(paths)
     prompts: list[str] = []
