@@ -25,7 +25,7 @@ TOOLS = {
     "convert-gguf": ("specserve.model.gguf", "convert a Llama-family GGUF file into a model directory"),
     "train-demo": ("specserve.tools.train_demo", "train the embedded demo model pair"),
     "train-medusa": ("specserve.tools.train_medusa", "train Medusa heads for a frozen target"),
-    "train-eagle": ("specserve.tools.train_eagle", "train an EAGLE head for a frozen chat target on its own answers"),
+    "train-eagle": ("specserve.tools.train_eagle", "train an EAGLE head for a frozen target on its own answers"),
     "fuzz": ("specserve.tools.fuzz", "generated bad input against a running stack (needs the test extras)"),
     "trace": ("specserve.tools.trace_report", "per-hop latency table and plots from a run's spans"),
     "eval-demo": ("specserve.tools.demo_eval", "measure the demo pair's model-card figures"),

@@ -299,10 +299,10 @@ def run(recipe: EagleRecipe) -> dict:
     held = [row for i, row in enumerate(data) if i % HELD_OUT == 0]
     trained = [row for i, row in enumerate(data) if i % HELD_OUT != 0] or held
     embed = model.get_input_embeddings().weight.detach().float()
-    head = new_head(target, model.get_output_embeddings().weight.detach(), trained, recipe.vocab)
+    lm_head = model.get_output_embeddings().weight.detach().float()
+    head = new_head(target, lm_head, trained, recipe.vocab)
     history = train(head, trained, embed, recipe)
     head.eval()
-    lm_head = model.get_output_embeddings().weight.detach().float()
     sampled = {str(t): sampled_kept(head, held[: recipe.heldout], embed, lm_head, t) for t in REPORT_TEMPERATURES}
     kept = replay(head, held[: recipe.heldout], embed, recipe.k).float()
     report = report_of(kept, recipe, trained, history, sampled)

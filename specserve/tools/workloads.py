@@ -1,5 +1,7 @@
 """Prompts drawn from the demo pair's held-out split (models/demo/heldout_files.txt: stdlib
-files the demo models never trained on), for benchmarks and the model card."""
+files the demo models never trained on) and from installed packages, for benchmarks and the
+model card; and the prompts drafters train on (chat questions, code outside the held-out
+split and the third-party workload's packages)."""
 
 from __future__ import annotations
 
