@@ -21,7 +21,15 @@ its last drafting, new sessions' whole prompts (at 16 sampled clients such batch
 the default request about 8% of its round); its stretch doubles up to 256 batches, and its
 try is two batches, the second a usual round's drafting, which gives the drafting cost its
 point (a catch-up gives none: tried in one batch, the cost of drafts was never measured
-again, and a batch that stopped drafting on a misread cost never drafted again). Each
+again, and a batch that stopped drafting on a misread cost never drafted again). After a
+stretch of PARTIAL_AFTER batches or more, such a try drafts only for the sessions with the
+fewest tokens to read, up to TRY_READ tokens of them (at least one session): every session
+read its context at 16 sampled clients, about 4,800 tokens, 40 ms a try. Their acceptance
+feeds their method's, which every session's starts from, and once drafts pay, all draft.
+After a shorter stretch all try: the reading is short, and tries of one session measured
+too little (at 16 greedy clients, where drafts pay on and off, they left the group
+target-only twice as often). Each batch whose drafts pay halves the next stretch: restarted
+at 4 by one lucky try, the stretch led to tries that each read everything again. Each
 session's K is then cut to its bounds and to what it may still make.
 """
 
@@ -32,6 +40,8 @@ from dataclasses import dataclass
 from specserve.adaptive import PROBE_STRETCH, KChooser, fastest_k
 
 DEAR_STRETCH = 256  # the longest stretch of a method whose try of drafts first catches up
+TRY_READ = 256  # the tokens a try of such drafts may first read, over the sessions it drafts for
+PARTIAL_AFTER = 64  # ... once it follows this many target-only batches (before, all sessions try)
 
 
 @dataclass
@@ -42,6 +52,7 @@ class _Group:
     probe_in: int = 0
     tries: int = 0
     stretch: int = PROBE_STRETCH[0]
+    stopped: int = 0  # the target-only batches of the stretch before the try
 
 
 class BatchChoice:
@@ -51,9 +62,12 @@ class BatchChoice:
     def __init__(self) -> None:
         self.groups: dict[str, _Group] = {}
 
-    def choose(self, choosers: list[KChooser], rooms: list[int], sessions: int) -> list[int]:
+    def choose(
+        self, choosers: list[KChooser], rooms: list[int], sessions: int, unread: list[int] | None = None
+    ) -> list[int]:
         """Each chooser's K this batch: choosers all of one method, their sessions' remaining
-        tokens, and the batch's sessions (all of its rows, these and others)."""
+        tokens, the batch's sessions (all of its rows, these and others), and the tokens each
+        session's drafts must first read (None: none)."""
         group = self.groups.setdefault(choosers[0].method, _Group())
         cheap = choosers[0].cheap_probes
         for chooser in choosers:
@@ -63,17 +77,32 @@ class BatchChoice:
             if group.probe_in == 0:  # a try of drafts next: where its first catches up, a second measures
                 group.tries = 1 if cheap else 2
             return [self._cut(chooser, 0, room) for chooser, room in zip(choosers, rooms)]
+        everyone = set(range(len(choosers)))
         if group.tries > 0:
             group.tries -= 1
             k = self._best(choosers, rooms, sessions, lowest=1)
+            partial = not cheap and unread and group.stopped >= PARTIAL_AFTER
+            drafting = self._tried(unread) if partial else everyone
         else:
-            k = self._best(choosers, rooms, sessions, lowest=0)
+            k, drafting = self._best(choosers, rooms, sessions, lowest=0), everyone
             if k == 0:
-                group.probe_in = group.stretch
+                group.probe_in = group.stopped = group.stretch
                 group.stretch = min(2 * group.stretch, PROBE_STRETCH[1] if cheap else DEAR_STRETCH)
-            else:  # drafts pay
-                group.stretch = PROBE_STRETCH[0]
-        return [self._cut(chooser, k, room) for chooser, room in zip(choosers, rooms)]
+            else:  # drafts pay: each such batch halves the next stretch (one lucky try does not restart it)
+                group.stretch = max(PROBE_STRETCH[0], group.stretch // 2)
+        return [self._cut(c, k if i in drafting else 0, room) for i, (c, room) in enumerate(zip(choosers, rooms))]
+
+    @staticmethod
+    def _tried(unread: list[int]) -> set[int]:
+        """The sessions a dear try drafts for: those with the fewest tokens to read first, up to
+        TRY_READ of them in all, and at least one."""
+        tried, read = set(), 0
+        for i in sorted(range(len(unread)), key=unread.__getitem__):
+            if tried and read + unread[i] > TRY_READ:
+                break
+            tried.add(i)
+            read += unread[i]
+        return tried
 
     @staticmethod
     def _cut(chooser: KChooser, k: int, room: int) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from specserve.adaptive import PROBE_STRETCH, Batch, KChooser, Shared
-from specserve.batch_choice import DEAR_STRETCH, BatchChoice
+from specserve.batch_choice import DEAR_STRETCH, PARTIAL_AFTER, TRY_READ, BatchChoice
 from specserve.speculation import Speculation
 from verify_service.local_drafts import LocalDrafting, SessionDrafts
 
@@ -90,3 +90,35 @@ def test_a_draft_models_batch_tries_drafts_less_often_than_a_cheap_method():
             batches.choose(group, [100, 100], sessions=4)
         longest[cheap] = batches.groups["draft_model"].stretch
     assert longest == {True: PROBE_STRETCH[1], False: DEAR_STRETCH}
+
+
+def test_after_a_long_stretch_a_dear_try_drafts_for_the_sessions_with_the_least_to_read():
+    """A draft model's try first reads every drafting session's tokens since its last
+    drafting: after PARTIAL_AFTER target-only batches or more it drafts only for the sessions
+    with the fewest, up to TRY_READ tokens (at least one); before, for every session."""
+    shared = measured(draft_step=3e-3)  # drafts dear: none pay
+    group = [chooser(shared, [1, 0] * 10) for _ in range(4)]
+    batches = BatchChoice()
+    unread = [300, TRY_READ // 2, 5, TRY_READ // 2]
+    tries = []
+    for _ in range(1000):
+        ks = batches.choose(group, [100] * 4, sessions=4, unread=unread)
+        if any(ks):
+            tries.append((batches.groups["draft_model"].stopped, ks))
+    short = [ks for stopped, ks in tries if stopped < PARTIAL_AFTER]
+    long = [ks for stopped, ks in tries if stopped >= PARTIAL_AFTER]
+    assert short and long
+    assert all(all(k >= 1 for k in ks) for ks in short)
+    for ks in long:  # 5 + 128 tokens read, not 5 + 128 + 128
+        assert ks[2] >= 1 and ks[1] + ks[3] == ks[2] and ks[0] == 0
+    cheap = [KChooser(ADAPTIVE, shared, cheap_probes=True) for _ in range(4)]
+    batches = BatchChoice()
+    for _ in range(1000):
+        ks = batches.choose(cheap, [100] * 4, sessions=4, unread=unread)
+        assert ks == [0] * 4 or all(k >= 1 for k in ks)  # a cheap try: every session
+
+
+def test_a_sessions_unread_tokens_are_those_its_draft_model_has_not_read():
+    session = SessionDrafts(ADAPTIVE, SimpleNamespace(verified=[1, 2, 3]), KChooser(ADAPTIVE))
+    assert session.unread(10) == 7
+    assert SessionDrafts(ADAPTIVE, None, KChooser(ADAPTIVE)).unread(10) == 0

@@ -250,9 +250,10 @@ class Verifier:
             (row.session.drafts, min(job.max_tokens, self.loaded.max_context_length - len(row.session.tokens)))
             for job, row in speculative
         ]
+        lengths = [len(row.session.tokens) for _, row in speculative]
         wanted = [
             (row.session.drafts, row.session.tokens, choice, row.sampling, row.session.hidden)
-            for (_, row), choice in zip(speculative, self.local.next_rounds(rooms, sessions=len(rows)))
+            for (_, row), choice in zip(speculative, self.local.next_rounds(rooms, len(rows), lengths))
         ]
         proposals, timing = self.local.propose(wanted)
         for (_, row), proposal in zip(speculative, proposals):

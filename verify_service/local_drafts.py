@@ -85,6 +85,11 @@ class SessionDrafts:
         draft model's first (the prompt) or first after target-only rounds (what they made)."""
         return not self.drafted_last_round and registry.spec_of(self.speculation.method).model
 
+    def unread(self, length: int) -> int:
+        """The tokens of a sequence `length` long that the session's draft model has not read
+        (0 where it drafts with none)."""
+        return length - len(self.draft.verified) if self.draft is not None else 0
+
     def next_round(self, remaining: int, sessions: int = 1) -> RoundChoice:
         """The round for a session that may make `remaining` more tokens, in a batch of
         `sessions`: the chooser's, or for lookahead candidates of N - 1 tokens (fewer near
@@ -208,9 +213,12 @@ class LocalDrafting:
         pacing = Pacing(chooser.costs, self.method_rates.setdefault("lookahead", MethodRate()))
         return SessionDrafts(speculation, None, chooser, session, prompt_length=prompt_length, pacing=pacing)
 
-    def next_rounds(self, rooms: list[tuple[SessionDrafts, int]], sessions: int) -> list[RoundChoice]:
+    def next_rounds(
+        self, rooms: list[tuple[SessionDrafts, int]], sessions: int, lengths: list[int] | None = None
+    ) -> list[RoundChoice]:
         """The round of each (session drafts, tokens it may still make) of a batch of `sessions`
-        sessions: in a batch of more than one, the adaptive chains of one method and kind draft
+        sessions, whose sequences are `lengths` long (None: their drafts have nothing to read
+        first): in a batch of more than one, the adaptive chains of one method and kind draft
         one K (specserve/batch_choice.py); trees, lookahead, fixed Ks and a session alone
         choose their own."""
         choices: list[RoundChoice | None] = [None] * len(rooms)
@@ -223,7 +231,8 @@ class LocalDrafting:
                 choices[i] = drafts.next_round(remaining, sessions)
         for members in groups.values():
             choosers = [rooms[i][0].chooser for i in members]
-            ks = self.batch_choice.choose(choosers, [rooms[i][1] for i in members], sessions)
+            unread = [rooms[i][0].unread(lengths[i]) for i in members] if lengths else None
+            ks = self.batch_choice.choose(choosers, [rooms[i][1] for i in members], sessions, unread)
             for i, k in zip(members, ks):
                 choices[i] = RoundChoice(k)
         return choices
