@@ -122,3 +122,19 @@ def test_a_sessions_unread_tokens_are_those_its_draft_model_has_not_read():
     session = SessionDrafts(ADAPTIVE, SimpleNamespace(verified=[1, 2, 3]), KChooser(ADAPTIVE))
     assert session.unread(10) == 7
     assert SessionDrafts(ADAPTIVE, None, KChooser(ADAPTIVE)).unread(10) == 0
+
+
+def test_each_batch_whose_drafts_pay_halves_the_next_stretch():
+    """One lucky try does not restart the stretch at its shortest: that led to a run of
+    tries, each reading every session's tokens again."""
+    shared = measured(draft_step=0.5e-3)
+    group = [chooser(shared, [4] * 20) for _ in range(2)]  # drafts pay
+    batches = BatchChoice()
+    batches.choose(group, [100, 100], sessions=4)
+    batches.groups["draft_model"].stretch = DEAR_STRETCH  # as after tries that did not pay
+    for stretch in (DEAR_STRETCH // 2, DEAR_STRETCH // 4):
+        assert all(k > 0 for k in batches.choose(group, [100, 100], sessions=4))
+        assert batches.groups["draft_model"].stretch == stretch
+    for _ in range(10):
+        batches.choose(group, [100, 100], sessions=4)
+    assert batches.groups["draft_model"].stretch == PROBE_STRETCH[0]
