@@ -14,14 +14,22 @@ from pathlib import Path
 
 from specserve.paths import DEMO_MODELS
 
+HELDOUT_LISTING = DEMO_MODELS / "heldout_files.txt"
 
-def heldout_sources(listing: Path = DEMO_MODELS / "heldout_files.txt") -> list[tuple[str, str]]:
+
+def heldout_files(listing: Path = HELDOUT_LISTING) -> list[str]:
+    """The held-out files' paths under the standard library, in the listing's order (none
+    where there is no listing)."""
+    return listing.read_text().split() if listing.is_file() else []
+
+
+def heldout_sources(listing: Path = HELDOUT_LISTING) -> list[tuple[str, str]]:
     """(relative path, source) of each held-out file, in the listing's order."""
     if not listing.is_file():
         raise FileNotFoundError(f"{listing} is missing: it comes with the demo models (specserve train-demo)")
     root = Path(sysconfig.get_paths()["stdlib"])
     sources = []
-    for rel in listing.read_text().split():
+    for rel in heldout_files(listing):
         path = root / rel
         if path.is_file():
             sources.append((rel, path.read_text(encoding="utf-8")))
@@ -64,8 +72,7 @@ def training_code_contexts(count: int, seed: int, context_lines: int = 24) -> li
     file, from the installed packages other than HELD_OUT_KIN and specserve, and the standard
     library outside the demo's held-out split (models/demo/heldout_files.txt)."""
     stdlib, installed = Path(sysconfig.get_paths()["stdlib"]), Path(sysconfig.get_paths()["purelib"])
-    listing = DEMO_MODELS / "heldout_files.txt"
-    held = {stdlib / rel for rel in listing.read_text().split()} if listing.is_file() else set()
+    held = {stdlib / rel for rel in heldout_files()}
     skipped = ("site-packages", "test", "tests", "specserve", *HELD_OUT_KIN)
     paths = sorted(
         path
