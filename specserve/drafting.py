@@ -37,7 +37,7 @@ from specserve.methods.tree_drafting import draft_trees
 from specserve.model.backends import Backend, ForwardRow, forward_in_budget
 from specserve.model.loading import LoadedModel
 from specserve.protocol import SparseDistribution, check_token_ids
-from specserve.sampling import SamplingParams, processed_probs, sample_sparse, truncate_to_support
+from specserve.sampling import SamplingParams, draft_noise, processed_probs, sample_sparse, truncate_to_support
 from specserve.serving.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
@@ -249,7 +249,7 @@ class Drafter:
         tokens first, then one token per row. Each forward gives the last token's logits and
         argmax (a greedy draft's token) of each row."""
         logits, argmax = self._catch_up(backend, [self._catch_up_row(d) for d in batch])
-        if self._greedy_run(backend, batch, argmax):
+        if self._lone_run(backend, batch, logits, argmax):
             return
         position = [len(d.copied) for d in batch]  # each row's next draft position; its logits are for it
         drawing = [b for b, d in enumerate(batch) if d.draws_at(position[b])]
@@ -266,26 +266,49 @@ class Drafter:
                 logits[b], argmax[b] = new_logits[j], new_argmax[j]
                 position[b] += 1
 
-    @staticmethod
-    def _greedy_run(backend: Backend, batch: list[_Drafting], argmax: list[int]) -> bool:
-        """A lone greedy session drafts its K - 1 steps after the catch-up in one call where
-        the backend has one; whether it did."""
+    def _lone_run(
+        self, backend: Backend, batch: list[_Drafting], logits: list[torch.Tensor], argmax: list[int]
+    ) -> bool:
+        """A lone session drafts its K - 1 steps after the catch-up in one call where the
+        backend has one (greedy, or sampled at a temperature and top_p alone); whether it did."""
         d = batch[0]
-        job = d.job
-        if len(batch) > 1 or not job.sampling.is_greedy or job.min_draft_probability > 0 or job.want_bonus_guess:
-            return False
-        if d.shaped:  # each draft is the argmax of its processed logits
+        job, sampling = d.job, d.job.sampling
+        if len(batch) > 1 or job.min_draft_probability > 0 or job.want_bonus_guess:
             return False
         steps = d.k - len(d.copied)  # drafts the model makes
-        if steps < 2:
+        if d.shaped or steps < 2:  # a shaped draft's logits are processed step by step
             return False
-        rest = backend.greedy_continue(job.session.sequence, argmax[0], steps - 1)
+        if sampling.is_greedy:
+            first, rest = argmax[0], backend.greedy_continue(job.session.sequence, argmax[0], steps - 1)
+        elif sampling.top_k == 0 and sampling.min_p == 0:
+            first, rest = self._sampled_run(backend, d, logits[0], steps)
+        else:
+            return False
         if rest is None:
             return False
-        made = [argmax[0], *rest]
+        made = [first, *rest]
         d.drafts.extend(made)
         job.session.cached_tokens.extend(made[:-1])  # the last draft's keys are not made
         return True
+
+    def _sampled_run(
+        self, backend: Backend, d: _Drafting, logits: torch.Tensor, steps: int
+    ) -> tuple[int, list[int] | None]:
+        """A lone sampled session's first draw, from the catch-up's logits, and the backend's
+        run of steps - 1 more (None where it has none: the first's distribution is then
+        dropped, and the steps draw it again alike); each draw's distribution appended."""
+        sampling, position = d.job.sampling, len(d.verified) + len(d.copied)
+        first, distribution = self._draw(logits, sampling, position)
+        width = min(self.options.support_size, logits.shape[-1])
+        noise = draft_noise(sampling.seed, position + 1, steps - 1, width, logits.device)
+        run = backend.sampled_continue(d.job.session.sequence, first, sampling.temperature, sampling.top_p, noise)
+        if run is None:
+            return first, None
+        d.distributions.append(distribution)
+        for ids, q in zip(run[1].tolist(), run[2].tolist()):
+            kept = [(token, p) for token, p in zip(ids, q) if p > 0]
+            d.distributions.append(SparseDistribution(tuple(t for t, _ in kept), tuple(p for _, p in kept)))
+        return first, run[0].tolist()
 
     def _catch_up(self, backend: Backend, rows: list[ForwardRow]) -> tuple[list[torch.Tensor], list[int]]:
         """Each row's last logits [vocab] and argmax after feeding it: rows of a few tokens in

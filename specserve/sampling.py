@@ -250,3 +250,26 @@ def sample_sparse(ids: torch.Tensor, probs: torch.Tensor, seed: int, position: i
     generator = position_generator(seed, position, DRAFT_STREAM if draw == 0 else SIBLING_STREAM + draw, probs.device)
     noise = exponential_noise(generator, probs.shape[0], probs.device)
     return int(ids[torch.argmax(probs / noise)])
+
+
+def draft_noise(seed: int, first_position: int, count: int, size: int, device: torch.device) -> torch.Tensor:
+    """The Exp(1) noise [count, size] of a chain's draws at count positions from
+    first_position on: sample_sparse's (a draw from fewer than size tokens reads a prefix
+    of its row, which is what a generator of its own draws)."""
+    generators = [position_generator(seed, first_position + i, DRAFT_STREAM, device) for i in range(count)]
+    return torch.stack([exponential_noise(generator, size, device) for generator in generators])
+
+
+def sparse_draws(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, noise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A draft's draws from logits [n, vocab] at temperature and top_p (0-dim tensors; a
+    top_p of 1 passed as infinity), as processed_probs, truncate_to_support and sample_sparse
+    draw them, in ops a compiled graph holds: the support is the noise's width S, the
+    likeliest S tokens, of which the nucleus's are kept and renormalised (tokens outside
+    the S likeliest are outside the support either way). Returns the tokens [n], the
+    support's ids [n, S] and q [n, S], 0 where a token is not kept."""
+    top, ids = torch.topk(torch.softmax(logits.float() / temperature, -1), noise.shape[-1], dim=-1)  # likeliest first
+    q = top.masked_fill((top.cumsum(-1) - top) >= top_p, 0)  # the mass of the likelier ones: the first stays
+    q = q / q.sum(-1, keepdim=True)
+    return ids.gather(-1, (q / noise).argmax(-1, keepdim=True))[:, 0], ids, q

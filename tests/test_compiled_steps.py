@@ -12,8 +12,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import specserve.model.compiled_steps as compiled_steps
+from specserve.draft_jobs import DraftJob, DraftOptions
+from specserve.drafting import Drafter
+from specserve.model.backends.runner import RunnerBackend
 from specserve.model.linear import cpu_has_bf16
+from specserve.model.loading import LoadedModel
 from specserve.model.runner import LlamaRunner
+from specserve.sampling import SamplingParams, draft_noise, sparse_draws
 from specserve.tools.testing import byte_tokenizer
 from tests.test_runner import CONFIGS
 
@@ -194,18 +199,19 @@ def test_a_greedy_run_makes_the_tokens_of_as_many_steps_once_compiled(tmp_path, 
     """A draft's greedy runs: compiled once one is first asked for (None until then, the
     steps serve), then the tokens and keys of as many one-token steps in one call."""
     torch._dynamo.reset()
-    monkeypatch.setattr(compiled_steps, "GREEDY_RUN_STEPS", 3)  # counts 1 to 3: a shorter compile
+    monkeypatch.setattr(compiled_steps, "RUN_STEPS", 3)  # counts 1 to 3: a shorter compile
     directory = save("llama-tied-bias", tmp_path)
     runner, eager = draft_runner(directory, True), draft_runner(directory, False)
     steps = runner.compiled_steps
     steps.thread.join(timeout=600)
+
     prompt = list(range(3, 40))
     slots = [r.allocate() for r in (runner, eager)]
     for r, s in zip((runner, eager), slots):
         r.forward([s], [0], [prompt], [1])
     assert steps.greedy_run(slots[0], len(prompt), 7, 3) is None and steps.compiling  # asked: compiling now
     steps.thread.join(timeout=600)
-    assert not steps.compiling and sorted(steps._greedy_runs) == [1, 2, 3]
+    assert not steps.compiling and sorted(steps._runs) == [("greedy", n) for n in (1, 2, 3)]
     assert steps.greedy_run(slots[0], len(prompt), 7, 4) is None and not steps.compiling  # past the longest
     made = steps.greedy_run(slots[0], len(prompt), 7, 3)
     expected, token = [], 7
@@ -216,3 +222,68 @@ def test_a_greedy_run_makes_the_tokens_of_as_many_steps_once_compiled(tmp_path, 
     # The keys of the tokens fed (7 and the first two made) are in the slot: the next step agrees.
     after = [r.forward([s], [len(prompt) + 3], [[made[-1]]], [1])[0][-1] for r, s in zip((runner, eager), slots)]
     torch.testing.assert_close(after[0], after[1], atol=1e-4, rtol=1e-4)
+
+
+@needs_compiler
+def test_a_sampled_run_draws_as_the_steps_do_once_compiled(tmp_path, monkeypatch):
+    """A draft's sampled runs: compiled once one is first asked for, then the draws of as
+    many one-token steps (keyed noise, temperature and top_p) and their q in one call. A
+    drafter's lone sampled session takes them, and proposes what its steps propose."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled_steps, "RUN_STEPS", 3)
+    directory = save("llama-tied-bias", tmp_path)
+    runner, eager = draft_runner(directory, True), draft_runner(directory, False)
+    steps = runner.compiled_steps
+    steps.thread.join(timeout=600)
+    prompt = list(range(3, 40))
+    temperature, top_p = 4.0, 0.9  # the test model's distributions are peaked: flatter ones draw more tokens
+
+    slots = [r.allocate() for r in (runner, eager)]
+    for r, s in zip((runner, eager), slots):
+        r.forward([s], [0], [prompt], [1])
+    noise = draft_noise(seed=9, first_position=len(prompt) + 1, count=3, size=32, device=CPU)
+    assert steps.sampled_run(slots[0], len(prompt), 7, temperature, top_p, noise) is None and steps.compiling
+    steps.thread.join(timeout=600)
+    assert sorted(steps._runs) == [("sampled", n) for n in (1, 2, 3)]
+    made, ids, q = steps.sampled_run(slots[0], len(prompt), 7, temperature, top_p, noise)
+    token = 7
+    for i in range(3):
+        logits = eager.forward([slots[1]], [len(prompt) + i], [[token]], [1])[0][-1:]
+        expected = sparse_draws(logits, torch.tensor(temperature), torch.tensor(top_p), noise[i : i + 1])
+        assert int(made[i]) == int(expected[0][0])
+        torch.testing.assert_close(q[i], expected[2][0], atol=1e-4, rtol=1e-4)
+        likely = q[i] > 1e-3
+        assert torch.equal(ids[i][likely], expected[1][0][likely])
+        token = int(made[i])
+    assert int((q > 0).sum()) > 3  # some steps drew from several tokens
+
+    loaded = LoadedModel(RunnerBackend(runner), None, "draft", 300, 256, (), "", CPU)
+    drafter = Drafter({"draft_model": loaded}, DraftOptions(vocab_size=300, max_context_length=256, max_sessions=4))
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=3)
+
+    runs, original = [], RunnerBackend.sampled_continue
+
+    def counted(*args):
+        made = original(*args)
+        runs.append(made is not None)
+        return made
+
+    def propose(run: bool):
+        session = drafter.open_session("", "draft_model")
+        with monkeypatch.context() as patch:  # without a run, the one-token steps draft
+            patch.setattr(RunnerBackend, "sampled_continue", counted if run else lambda *args: None)
+            proposals = [drafter.step([DraftJob(session, tuple(prompt[: 20 + 3 * i]), 20 + 3 * i, 4, sampling)])[0]
+                         for i in range(3)]  # fmt: skip
+        drafter.close_session(session)
+        return proposals
+
+    proposed = propose(True)
+    assert runs == [True] * 3
+    for with_run, by_steps in zip(proposed, propose(False)):
+        assert with_run.draft_token_ids == by_steps.draft_token_ids and len(with_run.draft_token_ids) == 4
+        assert len(with_run.draft_distributions) == 4
+        for a, b in zip(with_run.draft_distributions, by_steps.draft_distributions):
+            qa, qb = dict(zip(a.token_ids, a.probs)), dict(zip(b.token_ids, b.probs))
+            shared = qa.keys() & qb.keys()  # near ties at the support's edge may round either way
+            assert len(shared) >= len(qb) - 2 and abs(sum(a.probs) - 1) < 1e-5
+            assert max(abs(qa[t] - qb[t]) for t in shared) < 1e-4

@@ -10,9 +10,11 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from specserve.errors import InvalidArgument
 from specserve.sampling import (
     SamplingParams,
+    draft_noise,
     mix_seed,
     processed_probs,
     sample_sparse,
+    sparse_draws,
     truncate_to_support,
     verify_noise,
 )
@@ -48,6 +50,26 @@ def test_sparse_draws_follow_q():
     draws = torch.tensor([sample_sparse(ids, q, seed=seed, position=5) for seed in range(6000)])
     frequencies = torch.stack([(draws == t).float().mean() for t in (7, 3, 9)])
     assert torch.allclose(frequencies, q, atol=0.025)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 1.0), (0.7, 0.9), (1.5, 0.3)])
+def test_sparse_draws_in_a_graph_are_the_steps_draws(temperature, top_p):
+    """A compiled run's draws (sparse_draws: support, nucleus and draw in tensor ops) give the
+    support, q and token that processed_probs, truncate_to_support and sample_sparse give,
+    with the same keyed noise; a peaked row keeps fewer than the support's width."""
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(1)) * 3
+    logits[0, 17] = 300  # all the mass on one token: the rest of the support has none
+    noise = draft_noise(seed=5, first_position=30, count=8, size=32, device=torch.device("cpu"))
+    top_p_given = torch.tensor(top_p if top_p < 1 else float("inf"))
+    tokens, ids, q = sparse_draws(logits, torch.tensor(temperature), top_p_given, noise)
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=5)
+    for row in range(8):
+        expected_ids, expected_q = truncate_to_support(processed_probs(logits[row : row + 1], params)[0], 32)
+        kept = q[row] > 0
+        assert ids[row][kept].tolist() == expected_ids.tolist()
+        torch.testing.assert_close(q[row][kept], expected_q, atol=1e-6, rtol=1e-5)
+        assert int(tokens[row]) == sample_sparse(expected_ids, expected_q, seed=5, position=30 + row)
+    assert int(tokens[0]) == 17 and int((q[0] > 0).sum()) == 1
 
 
 def test_keyed_randomness_depends_on_seed_and_position_only():

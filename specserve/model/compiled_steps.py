@@ -35,6 +35,7 @@ import types
 import torch
 
 from specserve.model.llama import KEY_BLOCK, decoder_layer, final_outputs
+from specserve.sampling import sparse_draws
 
 log = logging.getLogger(__name__)
 
@@ -109,16 +110,17 @@ def _make_step(runner):
     return step
 
 
-# A draft's greedy steps after a round's catch-up run as one compiled call of up to this many
-# steps (greedy_run), one graph per count, for one session: each compiled call costs Python
-# and guard checks besides its loops, a third of a demo draft step (docs/benchmarks.md).
-GREEDY_RUN_STEPS = 7
+# A draft's steps after a round's catch-up run as one compiled call of up to this many steps
+# (greedy_run, sampled_run), one graph per kind and count, for one session: each compiled
+# call costs Python and guard checks besides its loops, a third of a demo draft step
+# (docs/benchmarks.md), and a sampled step's draw in Python as much again.
+RUN_STEPS = 7
 
 
 class CompiledSteps:
     """A runner's one-token steps through torch.compile (see the module docstring). ready
     turns true once the compiled step has run and agreed with the eager forward. A draft's
-    greedy runs (greedy_run) compile afterwards, each when first asked for."""
+    runs (greedy_run, sampled_run) compile afterwards, each kind when first asked for."""
 
     def __init__(self, runner, scratch_slot: int):
         self.runner = runner
@@ -126,10 +128,11 @@ class CompiledSteps:
         self.scratch_slot = scratch_slot
         self.ready = False
         self.failed = False
-        self._greedy_runs: dict[int, object] = {}  # steps -> compiled run, once built
+        self._runs: dict[tuple[str, int], object] = {}  # (kind, steps) -> compiled run, once built
         self._asking = threading.Lock()
-        self._asked = False  # whether a greedy run was ever asked for
-        self._wanted: list[int] = []  # counts not compiled yet
+        self._asked: set[str] = set()  # the kinds of run ever asked for
+        self._wanted: list[tuple[str, int]] = []  # runs not compiled yet
+        self._support = 32  # the draws' support size sampled runs compile for: the first ask's
         self.thread: threading.Thread | None = None
         import torch._inductor.config
 
@@ -249,52 +252,91 @@ class CompiledSteps:
         slot then holds steps more keys. None where no run of that count is compiled yet: the
         first ask starts compiling every count, its own first, in the background (a few
         seconds of a core each), and the one-token steps serve meanwhile."""
-        run = self._greedy_runs.get(steps)
-        if run is not None:
-            return self._run(run, slot, position, token, steps)[0].tolist()
-        if 0 < steps <= GREEDY_RUN_STEPS and self.ready:
+        run = self._run_of("greedy", steps)
+        return None if run is None else self._run(run, slot, position, token, steps)[0].tolist()
+
+    def sampled_run(
+        self, slot: int, position: int, token: int, temperature: float, top_p: float, noise: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A sampled draft of one session continued as one call, a step per row of noise
+        [steps, S] (specserve.sampling.draft_noise at the positions drawn): token is fed at
+        position, each step's draw (sampling.sparse_draws) is fed next. Returns the tokens
+        [steps], the supports' ids and q [steps, S]; None as for greedy_run."""
+        self._support = noise.shape[1]  # the width its runs compile for (the service's)
+        run = self._run_of("sampled", noise.shape[0])
+        if run is None:
+            return None
+        made, ids, q = self._run(run, slot, position, token, noise.shape[0], (temperature, top_p, noise))
+        return made[0], ids[0], q[0]
+
+    def _run_of(self, kind: str, steps: int):
+        """The compiled run of that kind and count, or None; the first ask of a kind starts
+        compiling its counts, this one first (K changes as it runs)."""
+        run = self._runs.get((kind, steps))
+        if run is None and 0 < steps <= RUN_STEPS and self.ready:
             with self._asking:
-                if not self._asked:  # this count first, then every other (K changes as it runs)
-                    self._asked = True
-                    self._wanted = [steps, *(n for n in range(1, GREEDY_RUN_STEPS + 1) if n != steps)]
-                    self._in_thread(self._compile_greedy_runs)
-        return None
+                if kind not in self._asked:
+                    self._asked.add(kind)
+                    idle = not self._wanted
+                    self._wanted += [(kind, n) for n in (steps, *(n for n in range(1, RUN_STEPS + 1) if n != steps))]
+                    if idle:
+                        self._in_thread(self._compile_runs)
+        return run
 
     @torch.inference_mode()
-    def _compile_greedy_runs(self) -> None:
-        """Each greedy run asked for, compiled and checked on the scratch slot against as many
-        one-token steps; a count that fails either is left to the steps."""
+    def _compile_runs(self) -> None:
+        """Each run asked for, compiled and checked on the scratch slot against as many
+        one-token steps; a run that fails either is left to the steps."""
         runner, slot = self.runner, self.scratch_slot
         while True:
             with self._asking:
                 if not self._wanted:
                     return
-                steps = self._wanted.pop(0)
+                kind, steps = self._wanted.pop(0)
             started = time.perf_counter()
             position = min(KEY_BLOCK, runner.max_len - steps)
             try:
-                run = torch.compile(_greedy_run(self._step_function, steps, self._owner))
-                made = self._run(run, slot, position, 5, steps)[0].tolist()
-                expected, token = [], 5
-                for i in range(steps):
-                    token = int(self.step([slot], [position + i], [token])[0].argmax())
-                    expected.append(token)
-                if made != expected:
-                    raise RuntimeError(f"greedy run made {made}, its one-token steps {expected}")
+                self._runs[kind, steps] = self._compile_run(kind, steps, slot, position)
             except Exception:  # noqa: BLE001 - the one-token steps serve this count
-                log.exception("torch.compile of the draft's greedy run of %d steps failed", steps)
+                log.exception("torch.compile of the draft's %s run of %d steps failed", kind, steps)
                 continue
-            self._greedy_runs[steps] = run
-            log.info("compiled the draft's greedy run of %d steps in %.1f s", steps, time.perf_counter() - started)
+            log.info("compiled the draft's %s run of %d steps in %.1f s", kind, steps, time.perf_counter() - started)
+
+    def _compile_run(self, kind: str, steps: int, slot: int, position: int):
+        """The run compiled, once it made the tokens of as many one-token steps."""
+        if kind == "greedy":
+            run = torch.compile(_greedy_run(self._step_function, steps, self._owner))
+            made, draws = self._run(run, slot, position, 5, steps)[0].tolist(), None
+        else:
+            run = torch.compile(_sampled_run(self._step_function, steps, self._owner))
+            noise = torch.rand(steps, self._support).neg_().log1p_().neg_()
+            made = self._run(run, slot, position, 5, steps, (1.0, 1.0, noise))[0][0].tolist()
+            draws = functools.partial(sparse_draws, temperature=torch.tensor(1.0), top_p=torch.tensor(math.inf))
+        expected, token = [], 5
+        for i in range(steps):
+            logits = self.step([slot], [position + i], [token])
+            token = int(logits[0].argmax() if draws is None else draws(logits, noise=noise[i : i + 1])[0][0])
+            expected.append(token)
+        if made != expected:
+            raise RuntimeError(f"{kind} run made {made}, its one-token steps {expected}")
+        return run
 
     @torch.inference_mode()  # as it was compiled: another grad mode would compile it again, inline
-    def _run(self, run, slot: int, position: int, token: int, steps: int) -> torch.Tensor:
+    def _run(self, run, slot: int, position: int, token: int, steps: int, sampling: tuple | None = None):
+        """A run's call; sampling: a sampled run's (temperature, top_p, noise). Its inputs
+        are made here, in inference mode, as they were when it compiled (a tensor made
+        outside fails a guard: a recompile)."""
         runner = self.runner
         num_keys = min(runner.max_len, -(-(position + steps) // KEY_BLOCK) * KEY_BLOCK)
         inputs = [torch.tensor([value], device=runner.device) for value in (token, slot, position)]
         key_index = torch.arange(num_keys, device=runner.device)
         torch._dynamo.mark_dynamic(key_index, 0)
-        return run(runner.k_cache, runner.v_cache, *inputs, key_index)  # [1, steps]
+        extra = (key_index,)
+        if sampling is not None:
+            temperature, top_p, noise = sampling
+            top_p = top_p if top_p < 1 else math.inf  # the nucleus of 1 is every token: no sum's rounding cuts it
+            extra = (key_index, torch.tensor(temperature), torch.tensor(top_p), noise.clone())
+        return run(runner.k_cache, runner.v_cache, *inputs, *extra)  # [1, steps] first
 
     def _check_batch_independence(self, slot: int, prompt: list[int]) -> None:
         """A target's steps must give each token the same logits, to the bit, whether it is
@@ -375,6 +417,26 @@ def _greedy_run(step, steps: int, owner: str):
         return torch.stack(made, 1)
 
     return _own_code(greedy_run, f"greedy_run_{steps}_{owner}")
+
+
+def _sampled_run(step, steps: int, owner: str):
+    """steps one-token steps of one session, each fed a draw from the one before
+    (sampling.sparse_draws at the temperature and top_p given, with a row of noise [steps,
+    S] each); returns the tokens [1, steps] and the supports' ids and q [1, steps, S]."""
+
+    def sampled_run(k_cache, v_cache, tokens, slots, positions, key_index, temperature, top_p, noise):
+        made, supports, kept = [], [], []
+        for i in range(steps):
+            writes = torch.stack([torch.zeros_like(slots), slots, positions])
+            logits = step(k_cache, v_cache, tokens, slots, positions, writes, key_index)[0]
+            tokens, ids, q = sparse_draws(logits, temperature, top_p, noise[i : i + 1])
+            made.append(tokens)
+            supports.append(ids)
+            kept.append(q)
+            positions = positions + 1
+        return torch.stack(made, 1), torch.stack(supports, 1), torch.stack(kept, 1)
+
+    return _own_code(sampled_run, f"sampled_run_{steps}_{owner}")
 
 
 def _own_code(function, name: str):

@@ -98,6 +98,15 @@ class Backend(Protocol):
         the steps tokens made, or None where the backend has no such call for steps."""
         ...
 
+    def sampled_continue(
+        self, sequence: KVSequence, token: int, temperature: float, top_p: float, noise: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A sampled draft continued as one call, a step per row of noise [steps, S]
+        (specserve.sampling.sparse_draws; token fed first, each draw fed next): the tokens
+        [steps] and the supports' ids and q [steps, S] (q 0 where a token is not kept), or
+        None where the backend has no such call for steps."""
+        ...
+
     supports_trees: bool
 
     def reserve_branches(self, sequence: KVSequence, count: int) -> int:

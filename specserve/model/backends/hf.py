@@ -71,6 +71,11 @@ class TransformersBackend:
     def greedy_continue(self, sequence: KVSequence, token: int, steps: int) -> list[int] | None:
         return None
 
+    def sampled_continue(
+        self, sequence: KVSequence, token: int, temperature: float, top_p: float, noise: torch.Tensor
+    ) -> None:
+        return None
+
     def reserve_branches(self, sequence: KVSequence, count: int) -> int:
         return 1
 

@@ -158,3 +158,14 @@ class RunnerBackend:
         if made is not None:
             sequence.length += steps
         return made
+
+    def sampled_continue(
+        self, sequence: KVSequence, token: int, temperature: float, top_p: float, noise: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        compiled, steps = self.runner.compiled_steps, noise.shape[0]
+        if compiled is None or not compiled.ready or sequence.length + steps > self.runner.max_len:
+            return None
+        made = compiled.sampled_run(sequence.slot, sequence.length, token, temperature, top_p, noise)
+        if made is not None:
+            sequence.length += steps
+        return made
