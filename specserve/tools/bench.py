@@ -469,19 +469,19 @@ def load_steps(rows: list[Row], prompts: dict[str, list]) -> list[tuple[Row, lis
 
 
 def warm_up(args, url: str, rows: list[Row], prompt) -> list[Row]:
-    """The stack's rows that it serves, after a short greedy request of each method and K: the
-    first calls pay for lazy initialisation, and a draft's first greedy rounds of each K start
-    compiling its greedy run. A method the stack does not serve (the gateway's 400) drops its
-    rows, with one line saying so."""
+    """The stack's rows that it serves, after a short request of each method and K, greedy and
+    sampled where rows sample: the first calls pay for lazy initialisation, and a draft's
+    first greedy or sampled rounds of each K start compiling its runs of that kind. A method
+    the stack does not serve (the gateway's 400) drops its rows, with one line saying so."""
     key = ROW_KEYS[0] if getattr(args, "row_keys", False) else ""
-    firsts = {(row.method, row.k, row.adaptive): row for row in rows if row.method not in LOCAL}
+    firsts = {(row.method, row.k, row.adaptive, row.temperature > 0): row for row in rows if row.method not in LOCAL}
     unserved: dict[str, str] = {}
     with httpx.Client() as client:
         for row in firsts.values():
             if row.method in unserved:
                 continue
             try:
-                stream_one(client, url, prompt, replace(row, temperature=0.0, clients=1, key=key), 16, 0)
+                stream_one(client, url, prompt, replace(row, clients=1, key=key), 16, 0)
             except NotServed as error:
                 unserved[row.method] = str(error)
     for method, reason in unserved.items():
