@@ -249,11 +249,11 @@ class ServiceMetrics:
 
     def count_compiling(self, models: dict) -> None:
         """specserve:drafter_compiling_steps: how many of these models (a drafter's) are
-        building compiled steps (at start-up) or a greedy run (when first asked for), their
+        building compiled steps (at start-up) or greedy or sampled runs (when first asked for), their
         eager forward or one-token steps serving meanwhile."""
         compiling = Gauge(
             "specserve:drafter_compiling_steps",
-            "Draft models building compiled steps or greedy runs "
+            "Draft models building compiled steps or greedy or sampled runs "
             "(the eager forward or one-token steps serve meanwhile).",
             registry=self.registry,
         )
