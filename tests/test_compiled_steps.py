@@ -204,7 +204,6 @@ def test_a_greedy_run_makes_the_tokens_of_as_many_steps_once_compiled(tmp_path, 
     runner, eager = draft_runner(directory, True), draft_runner(directory, False)
     steps = runner.compiled_steps
     steps.thread.join(timeout=600)
-
     prompt = list(range(3, 40))
     slots = [r.allocate() for r in (runner, eager)]
     for r, s in zip((runner, eager), slots):
