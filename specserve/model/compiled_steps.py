@@ -35,7 +35,7 @@ import types
 import torch
 
 from specserve.model.llama import KEY_BLOCK, decoder_layer, final_outputs
-from specserve.sampling import sparse_draws
+from specserve.sampling import draft_noise, sparse_draws
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ class CompiledSteps:
             made, draws = self._run(run, slot, position, 5, steps)[0].tolist(), None
         else:
             run = torch.compile(_sampled_run(self._step_function, steps, self._owner))
-            noise = torch.rand(steps, self._support).neg_().log1p_().neg_()
+            noise = draft_noise(0, position, steps, self._support, self.runner.device)
             made = self._run(run, slot, position, 5, steps, (1.0, 1.0, noise))[0][0].tolist()
             draws = functools.partial(sparse_draws, temperature=torch.tensor(1.0), top_p=torch.tensor(math.inf))
         expected, token = [], 5
