@@ -247,10 +247,12 @@ class Drafter:
     def _draft_all(self, backend: Backend, batch: list[_Drafting]) -> None:
         """Per position, one forward over the rows still drafting: a catch-up on the verified
         tokens first, then one token per row. Each forward gives the last token's logits and
-        argmax (a greedy draft's token) of each row."""
-        logits, argmax = self._catch_up(backend, [self._catch_up_row(d) for d in batch])
-        if self._lone_run(backend, batch, logits, argmax):
+        argmax (a greedy draft's token) of each row. A lone session drafts in one call where it
+        can (_lone_run)."""
+        rows = [self._catch_up_row(d) for d in batch]
+        if len(batch) == 1 and self._lone_run(backend, batch[0], rows[0]):
             return
+        logits, argmax = self._catch_up(backend, rows)
         position = [len(d.copied) for d in batch]  # each row's next draft position; its logits are for it
         drawing = [b for b, d in enumerate(batch) if d.draws_at(position[b])]
         while drawing:
@@ -266,49 +268,38 @@ class Drafter:
                 logits[b], argmax[b] = new_logits[j], new_argmax[j]
                 position[b] += 1
 
-    def _lone_run(
-        self, backend: Backend, batch: list[_Drafting], logits: list[torch.Tensor], argmax: list[int]
-    ) -> bool:
-        """A lone session drafts its K - 1 steps after the catch-up in one call where the
-        backend has one (greedy, or sampled at a temperature and top_p alone); whether it did."""
-        d = batch[0]
+    def _lone_run(self, backend: Backend, d: _Drafting, row: ForwardRow) -> bool:
+        """A lone session's K drafts as one call where the backend has a run for them (greedy,
+        or sampled at a temperature and top_p alone): the catch-up's last token is the run's
+        first step, its tokens before it (if any) a forward of their own. Whether it drafted;
+        where not, row is left for the catch-up (less the tokens fed)."""
         job, sampling = d.job, d.job.sampling
-        if len(batch) > 1 or job.min_draft_probability > 0 or job.want_bonus_guess:
+        if job.min_draft_probability > 0 or job.want_bonus_guess or d.shaped:  # these draw step by step
             return False
         steps = d.k - len(d.copied)  # drafts the model makes
-        if d.shaped or steps < 2:  # a shaped draft's logits are processed step by step
+        kind = "greedy" if sampling.is_greedy else "sampled"
+        if steps < 1 or (kind == "sampled" and (sampling.top_k or sampling.min_p)):
             return False
-        if sampling.is_greedy:
-            first, rest = argmax[0], backend.greedy_continue(job.session.sequence, argmax[0], steps - 1)
-        elif sampling.top_k == 0 and sampling.min_p == 0:
-            first, rest = self._sampled_run(backend, d, logits[0], steps)
+        if not backend.has_run(kind, steps):
+            return False
+        if len(row.tokens) > 1:  # the cache first takes the tokens before the last
+            self._catch_up(backend, [ForwardRow(row.sequence, row.tokens[:-1], 1)])
+            del row.tokens[:-1]
+        token, position = row.tokens[0], len(d.verified) + len(d.copied)
+        if kind == "greedy":
+            made = backend.greedy_continue(row.sequence, token, steps)
         else:
+            width = min(self.options.support_size, backend.vocab_size)
+            noise = draft_noise(sampling.seed, position, steps, width, backend.device)
+            run = backend.sampled_continue(row.sequence, token, sampling.temperature, sampling.top_p, noise)
+            made = None if run is None else run[0].tolist()
+            if run is not None:
+                d.distributions.extend(_sparse(ids, q) for ids, q in zip(run[1].tolist(), run[2].tolist()))
+        if made is None:
             return False
-        if rest is None:
-            return False
-        made = [first, *rest]
         d.drafts.extend(made)
         job.session.cached_tokens.extend(made[:-1])  # the last draft's keys are not made
         return True
-
-    def _sampled_run(
-        self, backend: Backend, d: _Drafting, logits: torch.Tensor, steps: int
-    ) -> tuple[int, list[int] | None]:
-        """A lone sampled session's first draw, from the catch-up's logits, and the backend's
-        run of steps - 1 more (None where it has none: the first's distribution is then
-        dropped, and the steps draw it again alike); each draw's distribution appended."""
-        sampling, position = d.job.sampling, len(d.verified) + len(d.copied)
-        first, distribution = self._draw(logits, sampling, position)
-        width = min(self.options.support_size, logits.shape[-1])
-        noise = draft_noise(sampling.seed, position + 1, steps - 1, width, logits.device)
-        run = backend.sampled_continue(d.job.session.sequence, first, sampling.temperature, sampling.top_p, noise)
-        if run is None:
-            return first, None
-        d.distributions.append(distribution)
-        for ids, q in zip(run[1].tolist(), run[2].tolist()):
-            kept = [(token, p) for token, p in zip(ids, q) if p > 0]
-            d.distributions.append(SparseDistribution(tuple(t for t, _ in kept), tuple(p for _, p in kept)))
-        return first, run[0].tolist()
 
     def _catch_up(self, backend: Backend, rows: list[ForwardRow]) -> tuple[list[torch.Tensor], list[int]]:
         """Each row's last logits [vocab] and argmax after feeding it: rows of a few tokens in
@@ -388,6 +379,12 @@ class Drafter:
         ids, q = truncate_to_support(probs, self.options.support_size)
         token = sample_sparse(ids, q, sampling.seed, position)
         return token, SparseDistribution(tuple(ids.tolist()), tuple(q.tolist()))
+
+
+def _sparse(ids: list[int], q: list[float]) -> SparseDistribution:
+    """A run's draw distribution: its support's tokens of probability above 0."""
+    kept = [(token, p) for token, p in zip(ids, q) if p > 0]
+    return SparseDistribution(tuple(t for t, _ in kept), tuple(p for _, p in kept))
 
 
 def _top_probability(logits: torch.Tensor, sampling: SamplingParams) -> float:

@@ -267,22 +267,28 @@ def test_a_sampled_run_draws_as_the_steps_do_once_compiled(tmp_path, monkeypatch
         runs.append(made is not None)
         return made
 
-    def propose(run: bool):
+    def propose(how: str):
+        """Rounds of K = 3 after catch-ups of 20, 1, 3 and 1 tokens: the run's (its catch-up's
+        last token its first step), none at hand, or one refused once asked for."""
         session = drafter.open_session("", "draft_model")
         with monkeypatch.context() as patch:  # without a run, the one-token steps draft
-            patch.setattr(RunnerBackend, "sampled_continue", counted if run else lambda *args: None)
-            proposals = [drafter.step([DraftJob(session, tuple(prompt[: 20 + 3 * i]), 20 + 3 * i, 4, sampling)])[0]
-                         for i in range(3)]  # fmt: skip
+            if how == "none":
+                patch.setattr(RunnerBackend, "has_run", lambda *args: False)
+            patch.setattr(RunnerBackend, "sampled_continue", counted if how == "run" else lambda *args: None)
+            ends = (0, 20, 21, 24, 25)
+            jobs = [DraftJob(session, tuple(prompt[a:n]), n, 3, sampling) for a, n in zip(ends, ends[1:])]
+            proposals = [drafter.step([job])[0] for job in jobs]
         drafter.close_session(session)
         return proposals
 
-    proposed = propose(True)
-    assert runs == [True] * 3
-    for with_run, by_steps in zip(proposed, propose(False)):
-        assert with_run.draft_token_ids == by_steps.draft_token_ids and len(with_run.draft_token_ids) == 4
-        assert len(with_run.draft_distributions) == 4
-        for a, b in zip(with_run.draft_distributions, by_steps.draft_distributions):
-            qa, qb = dict(zip(a.token_ids, a.probs)), dict(zip(b.token_ids, b.probs))
-            shared = qa.keys() & qb.keys()  # near ties at the support's edge may round either way
-            assert len(shared) >= len(qb) - 2 and abs(sum(a.probs) - 1) < 1e-5
-            assert max(abs(qa[t] - qb[t]) for t in shared) < 1e-4
+    proposed = propose("run")
+    assert runs == [True] * 4
+    for by_steps in (propose("none"), propose("refused")):
+        for with_run, alike in zip(proposed, by_steps):
+            assert with_run.draft_token_ids == alike.draft_token_ids and len(with_run.draft_token_ids) == 3
+            assert len(with_run.draft_distributions) == 3
+            for a, b in zip(with_run.draft_distributions, alike.draft_distributions):
+                qa, qb = dict(zip(a.token_ids, a.probs)), dict(zip(b.token_ids, b.probs))
+                shared = qa.keys() & qb.keys()  # near ties at the support's edge may round either way
+                assert len(shared) >= len(qb) - 2 and abs(sum(a.probs) - 1) < 1e-5
+                assert max(abs(qa[t] - qb[t]) for t in shared) < 1e-4

@@ -110,11 +110,11 @@ def _make_step(runner):
     return step
 
 
-# A draft's steps after a round's catch-up run as one compiled call of up to this many steps
-# (greedy_run, sampled_run), one graph per kind and count, for one session: each compiled
-# call costs Python and guard checks besides its loops, a third of a demo draft step
-# (docs/benchmarks.md), and a sampled step's draw in Python as much again.
-RUN_STEPS = 7
+# A lone session's K drafts run as one compiled call of up to this many steps (greedy_run,
+# sampled_run), its catch-up's last token the first step's, one graph per kind and count:
+# each compiled call costs Python and guard checks besides its loops, a third of a demo draft
+# step (docs/benchmarks.md), and a sampled step's draw in Python as much again.
+RUN_STEPS = 8
 
 
 class CompiledSteps:
@@ -268,6 +268,11 @@ class CompiledSteps:
             return None
         made, ids, q = self._run(run, slot, position, token, noise.shape[0], (temperature, top_p, noise))
         return made[0], ids[0], q[0]
+
+    def has_run(self, kind: str, steps: int) -> bool:
+        """Whether the run of that kind and count is compiled; the first ask of a kind starts
+        compiling its counts."""
+        return self._run_of(kind, steps) is not None
 
     def _run_of(self, kind: str, steps: int):
         """The compiled run of that kind and count, or None; the first ask of a kind starts

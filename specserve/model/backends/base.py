@@ -55,6 +55,7 @@ class ForwardRow:
 
 class Backend(Protocol):
     name: str
+    device: torch.device
     vocab_size: int
     max_context_length: int
 
@@ -91,6 +92,11 @@ class Backend(Protocol):
     def forward_scoring(self, row: ForwardRow) -> torch.Tensor:
         """A prompt's row alone, the logits [num_logits, vocab] float32 of a prompt's logprobs:
         from float32 matrices where scores_precisely (the cache then holds what they made)."""
+        ...
+
+    def has_run(self, kind: str, steps: int) -> bool:
+        """Whether a run of steps steps of that kind ("greedy", "sampled": greedy_continue,
+        sampled_continue) is at hand; the first ask may start building them."""
         ...
 
     def greedy_continue(self, sequence: KVSequence, token: int, steps: int) -> list[int] | None:

@@ -68,6 +68,9 @@ class TransformersBackend:
         logits = torch.cat([x[-1:] for x in self.forward(rows)])
         return logits, logits.argmax(-1).tolist()
 
+    def has_run(self, kind: str, steps: int) -> bool:
+        return False
+
     def greedy_continue(self, sequence: KVSequence, token: int, steps: int) -> list[int] | None:
         return None
 

@@ -14,6 +14,7 @@ class RunnerBackend:
 
     def __init__(self, runner):
         self.runner = runner
+        self.device = runner.device
         self.vocab_size = runner.spec.vocab_size
         self.max_context_length = runner.max_len
         self._branched: dict[int, KVSequence] = {}  # sequences holding branch slots
@@ -149,6 +150,10 @@ class RunnerBackend:
         for row in rows:
             row.sequence.length += len(row.tokens)
         return logits, argmax
+
+    def has_run(self, kind: str, steps: int) -> bool:
+        compiled = self.runner.compiled_steps
+        return compiled is not None and compiled.ready and compiled.has_run(kind, steps)
 
     def greedy_continue(self, sequence: KVSequence, token: int, steps: int) -> list[int] | None:
         compiled = self.runner.compiled_steps
