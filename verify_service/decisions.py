@@ -5,11 +5,21 @@ sampling and the position of its first draft."""
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from specserve.logprobs import token_logprobs
 from specserve.methods.trees import depths
-from specserve.sampling import draw_noise, processed_probs, tree_verify_uniforms, verify_noise, verify_uniforms
+from specserve.sampling import (
+    VERIFY_STREAM,
+    draw_noise,
+    exponential_noise,
+    position_generator,
+    processed_probs,
+    tree_verify_uniforms,
+    verify_noise,
+)
 from specserve_kernels.rejection import greedy_verify, rejection_sample
 from specserve_kernels.tree import tree_rejection_sample
 from verify_service.grammar_rounds import mask_logits, round_paths
@@ -99,22 +109,24 @@ def decide_sampled(rows: list, device: torch.device) -> list[tuple[int, int]]:
 def decide_sampled_row(row) -> tuple[int, int]:
     """One row's rejection rule as kernels/rejection_reference.py decides it, with the same
     arithmetic and randomness, but touching only what it needs: the target's probabilities
-    at the drafts, and Exp(1) noise at one position, the first rejected one (the recovered
-    token, from the residual) or the one after the last draft (the bonus token)."""
+    at the drafts, the accept tests' uniforms up to the first rejection, and Exp(1) noise at
+    one position, the first rejected one (the recovered token, from the residual) or the one
+    after the last draft (the bonus token)."""
     probs = processed_probs(row.logits, row.sampling)  # [K + 1, vocab]
     k = len(row.drafts)
     seed, first = row.sampling.seed, row.first_position
-    kept = k
+    kept, generator = k, None
     if k:
-        drafts = torch.tensor(row.drafts, dtype=torch.long)
-        p_drafts = probs[torch.arange(k), drafts]
-        q_drafts = torch.tensor(
-            [dict(zip(d.token_ids, d.probs)).get(token, 0.0) for d, token in zip(row.distributions, row.drafts)],
-            dtype=torch.float32,
-        )
-        rejected = ~(verify_uniforms(seed, first, k) * q_drafts < p_drafts)
-        if bool(rejected.any()):
-            kept = int(rejected.int().argmax())
+        p_drafts = probs[torch.arange(k), torch.tensor(row.drafts, dtype=torch.long)].tolist()
+        for i, (token, distribution, p) in enumerate(zip(row.drafts, row.distributions, p_drafts)):
+            # The position's generator: its uniform first, then (where rejected) its noise.
+            generator = position_generator(seed, first + i, VERIFY_STREAM, probs.device)
+            u = float(torch.rand(1, generator=generator, device=probs.device)[0])
+            if not _float32(u * _probability_of(distribution, token)) < p:
+                kept = i
+                break
+        else:
+            generator = None
     weights = probs[kept]
     if kept < k:  # the residual max(0, p - q): q is sparse, so only its support changes
         distribution = row.distributions[kept]
@@ -123,8 +135,24 @@ def decide_sampled_row(row) -> tuple[int, int]:
         residual[ids] = torch.clamp(weights[ids] - torch.tensor(distribution.probs, dtype=torch.float32), min=0.0)
         if bool(residual.amax() > 0):  # else p and q are equal up to rounding: draw from p
             weights = residual
-    noise = draw_noise(seed, first + kept, weights.shape[0], weights.device)
+    if generator is None:
+        noise = draw_noise(seed, first + kept, weights.shape[0], weights.device)
+    else:
+        noise = exponential_noise(generator, weights.shape[0], weights.device)
     return kept, int(torch.argmax(weights / noise))
+
+
+def _probability_of(distribution, token: int) -> float:
+    """q(token) of a sparse distribution (0 outside its support)."""
+    try:
+        return distribution.probs[distribution.token_ids.index(token)]
+    except ValueError:
+        return 0.0
+
+
+def _float32(value: float) -> float:
+    """value rounded to float32, as the reference kernel's product of two float32 numbers is."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def decide_tree_greedy(rows: list, device: torch.device) -> list[tuple[int, int]]:
