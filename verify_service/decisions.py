@@ -122,7 +122,7 @@ def decide_sampled_row(row) -> tuple[int, int]:
             # The position's generator: its uniform first, then (where rejected) its noise.
             generator = position_generator(seed, first + i, VERIFY_STREAM, probs.device)
             u = float(torch.rand(1, generator=generator, device=probs.device)[0])
-            if not _float32(u * _probability_of(distribution, token)) < p:
+            if not _float32(u * _float32(_probability_of(distribution, token))) < p:
                 kept = i
                 break
         else:
@@ -151,7 +151,7 @@ def _probability_of(distribution, token: int) -> float:
 
 
 def _float32(value: float) -> float:
-    """value rounded to float32, as the reference kernel's product of two float32 numbers is."""
+    """value rounded to float32, as the reference kernel holds q and its product u q."""
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
