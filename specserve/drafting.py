@@ -292,9 +292,10 @@ class Drafter:
             width = min(self.options.support_size, backend.vocab_size)
             noise = draft_noise(sampling.seed, position, steps, width, backend.device)
             run = backend.sampled_continue(row.sequence, token, sampling.temperature, sampling.top_p, noise)
-            made = None if run is None else run[0].tolist()
-            if run is not None:
-                d.distributions.extend(_sparse(ids, q) for ids, q in zip(run[1].tolist(), run[2].tolist()))
+            if run is None:
+                return False
+            made = run[0].tolist()
+            d.distributions.extend(_sparse(ids, q) for ids, q in zip(run[1].tolist(), run[2].tolist()))
         if made is None:
             return False
         d.drafts.extend(made)

@@ -153,24 +153,29 @@ class RunnerBackend:
 
     def has_run(self, kind: str, steps: int) -> bool:
         compiled = self.runner.compiled_steps
-        return compiled is not None and compiled.ready and compiled.has_run(kind, steps)
+        return compiled is not None and compiled.has_run(kind, steps)
 
     def greedy_continue(self, sequence: KVSequence, token: int, steps: int) -> list[int] | None:
-        compiled = self.runner.compiled_steps
-        if compiled is None or not compiled.ready or sequence.length + steps > self.runner.max_len:
-            return None
-        made = compiled.greedy_run(sequence.slot, sequence.length, token, steps)
-        if made is not None:
-            sequence.length += steps
-        return made
+        return self._continued(
+            sequence, steps, lambda compiled: compiled.greedy_run(sequence.slot, sequence.length, token, steps)
+        )
 
     def sampled_continue(
         self, sequence: KVSequence, token: int, temperature: float, top_p: float, noise: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        compiled, steps = self.runner.compiled_steps, noise.shape[0]
+        return self._continued(
+            sequence,
+            noise.shape[0],
+            lambda compiled: compiled.sampled_run(sequence.slot, sequence.length, token, temperature, top_p, noise),
+        )
+
+    def _continued(self, sequence: KVSequence, steps: int, run):
+        """run(compiled steps)'s drafts, steps more keys in the sequence; None where the steps
+        are not compiled, the run is not built or the context has no room."""
+        compiled = self.runner.compiled_steps
         if compiled is None or not compiled.ready or sequence.length + steps > self.runner.max_len:
             return None
-        made = compiled.sampled_run(sequence.slot, sequence.length, token, temperature, top_p, noise)
+        made = run(compiled)
         if made is not None:
             sequence.length += steps
         return made
