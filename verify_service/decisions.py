@@ -122,7 +122,7 @@ def decide_sampled_row(row) -> tuple[int, int]:
             # The position's generator: its uniform first, then (where rejected) its noise.
             generator = position_generator(seed, first + i, VERIFY_STREAM, probs.device)
             u = float(torch.rand(1, generator=generator, device=probs.device)[0])
-            if not _float32(u * _float32(_probability_of(distribution, token))) < p:
+            if not _float32(u * _float32(distribution.prob_of(token))) < p:
                 kept = i
                 break
         else:
@@ -140,14 +140,6 @@ def decide_sampled_row(row) -> tuple[int, int]:
     else:
         noise = exponential_noise(generator, weights.shape[0], weights.device)
     return kept, int(torch.argmax(weights / noise))
-
-
-def _probability_of(distribution, token: int) -> float:
-    """q(token) of a sparse distribution (0 outside its support)."""
-    try:
-        return distribution.probs[distribution.token_ids.index(token)]
-    except ValueError:
-        return 0.0
 
 
 def _float32(value: float) -> float:
